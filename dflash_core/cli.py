@@ -1,0 +1,186 @@
+"""Command line: ``python -m dflash_core {pairs, generate, train, bench}``.
+
+Results go to stdout (one JSON object with ``--json``); progress and logs go to stderr. A
+mistake in the input exits with status 2 and a one-line message that says what is allowed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any, Sequence
+
+from .errors import DFlashError
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _quiet_libraries() -> None:
+    # Library chatter (deprecations, progress bars of weight loading) would bury our own messages.
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+    except ImportError:
+        pass
+
+
+# ------------------------------------------------------------------------------------------ pairs
+def cmd_pairs(args: argparse.Namespace) -> int:
+    from .loading import device_problem
+    from .registry import load_registry
+
+    registry = load_registry(args.registry)
+    rows = []
+    for name, pair in registry.pairs.items():
+        problem = device_problem(pair)
+        rows.append({
+            "name": name,
+            "default": name == registry.default,
+            "description": pair.description,
+            "target": pair.target.describe(),
+            "drafter": pair.drafter.describe(),
+            "dtype": pair.dtype,
+            "target_device": pair.target_device,
+            "drafter_device": pair.drafter_device,
+            "quantization": pair.quantization,
+            "runnable": problem is None,
+            "reason": problem,
+        })
+    if args.json:
+        print(json.dumps({"registry": str(registry.path), "default": registry.default, "pairs": rows}, indent=2))
+        return 0
+    print(f"registry: {registry.path}")
+    for row in rows:
+        mark = "*" if row["default"] else " "
+        status = "ok" if row["runnable"] else f"unavailable here: {row['reason']}"
+        print(f"{mark} {row['name']:<22} {row['dtype']:<9} {row['target_device']:<6} {status}")
+        print(f"    {row['description']}")
+        print(f"    target:  {row['target']}")
+        print(f"    drafter: {row['drafter']}")
+    return 0
+
+
+# --------------------------------------------------------------------------------------- generate
+def result_json(engine: Any, result: Any, mode: str, prompt_tokens: int) -> dict[str, Any]:
+    tokens = result.token_ids
+    cycles = [
+        {"drafted": e.drafted, "num_accepted": e.num_accepted, "bonus": e.bonus, "committed": e.committed,
+         "draft_s": round(e.draft_s, 6), "verify_s": round(e.verify_s, 6)}
+        for e in result.cycles
+    ] if mode == "dflash" else []
+    return {
+        "pair": engine.pair.name,
+        "mode": mode,
+        "prompt_tokens": prompt_tokens,
+        "token_ids": tokens,
+        "text": engine.decode(tokens),
+        "finish_reason": result.finish_reason,
+        "num_tokens": len(tokens),
+        "prefill_s": round(result.prefill_s, 6),
+        "decode_s": round(result.decode_s, 6),
+        "tokens_per_s": round(len(tokens) / result.decode_s, 3) if result.decode_s > 0 else None,
+        "tau": round(result.tau, 4) if mode == "dflash" else None,
+        "cycles": cycles,
+    }
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from .engine import Engine
+    from .speculative import GenerationConfig, collect
+
+    engine = Engine.from_registry(args.pair, args.registry, progress=_log)
+    config = GenerationConfig(
+        max_new_tokens=args.max_new_tokens, block_size=args.block_size, temperature=args.temperature,
+        top_p=args.top_p, top_k=args.top_k, seed=args.seed, rule=args.rule,
+    )
+    ids, config = engine.prepare(args.prompt, config, args.mode, args.raw)
+    events = engine.stream_ids(ids, config)
+    if args.json:
+        result = collect(events)
+        print(json.dumps(result_json(engine, result, args.mode, len(ids)), ensure_ascii=False))
+        return 0
+
+    def echo(events_iter: Any) -> Any:
+        # Stream the text as cycles commit it (decoding the whole output keeps multi-byte
+        # characters whole).
+        tokens: list[int] = []
+        shown = ""
+        for event in events_iter:
+            tokens.extend(event.committed)
+            text = engine.decode(tokens)
+            if text.startswith(shown):
+                sys.stdout.write(text[len(shown):])
+                sys.stdout.flush()
+                shown = text
+            yield event
+
+    result = collect(echo(events))
+    print()
+    rate = len(result.token_ids) / result.decode_s if result.decode_s > 0 else float("nan")
+    summary = f"[{args.mode}] {len(result.token_ids)} tokens, {rate:.1f} tok/s, finish={result.finish_reason}"
+    if args.mode == "dflash":
+        summary += f", tau={result.tau:.2f} over {len(result.cycles)} cycles"
+    _log(summary)
+    return 0
+
+
+# ------------------------------------------------------------------------------------------- main
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m dflash_core", description=__doc__.splitlines()[0])
+    parser.add_argument("--registry", help="path of models.toml (default: $DFLASH_MODELS_TOML or the project's)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("pairs", help="list the target/drafter pairs of the registry")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_pairs)
+
+    g = sub.add_parser("generate", help="generate with DFlash or the autoregressive baseline")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--pair", help="pair name (default: the registry's default)")
+    g.add_argument("--mode", choices=("dflash", "ar"), default="dflash")
+    g.add_argument("--max-new-tokens", type=int, default=256)
+    g.add_argument("--block-size", type=int, default=None, help="default: the drafter's")
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--rule", choices=("match", "pq"), default="match", help="acceptance rule at temperature > 0")
+    g.add_argument("--raw", action="store_true", help="use the prompt as is, without the chat template")
+    g.add_argument("--json", action="store_true", help="print one JSON object with token ids, text and cycles")
+    g.set_defaults(func=cmd_generate)
+
+    from .training.cli import add_train_parser
+
+    add_train_parser(sub)
+    try:
+        from .bench.cli import add_bench_parser
+    except ImportError:  # pragma: no cover - the bench package is part of the project
+        add_bench_parser = None
+    if add_bench_parser is not None:
+        add_bench_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    _quiet_libraries()
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except DFlashError as exc:
+        _log(f"error: {exc}")
+        return 2
+    except KeyboardInterrupt:
+        _log("interrupted")
+        return 130

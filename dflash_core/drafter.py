@@ -1,0 +1,519 @@
+"""The DFlash block-diffusion drafter, implemented natively (no remote code).
+
+It loads and saves the checkpoint format z-lab publishes (``config.json`` + safetensors), which
+vLLM and SGLang also serve. Architecture (see ``shared/DFLASH.md`` section 2):
+
+* the selected target layers' hidden states are concatenated and fused: ``fc`` -> ``hidden_norm``;
+* Qwen3-style decoder layers run on the *block* (the anchor token then ``MASK`` tokens, embedded
+  with the target's own input embedding). In every layer K and V come from the fused context
+  (all committed positions) followed by the block itself; Q comes from the block only; there is
+  no causal mask;
+* a final ``norm``; logits come from the target's own LM head.
+
+The module is a pure function of its inputs plus an optional context K/V cache: no sampling, no
+timing, no generation loop (those live in ``speculative.py``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import Qwen3Config
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from .errors import DrafterMismatchError, ModelLoadError
+
+ARCHITECTURE = "DFlashDraftModel"
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """z-lab's default spacing: one layer -> the middle one; else spread from layer 1 to L-3."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    span = end - start
+    return [int(round(start + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+
+
+@dataclass
+class DrafterConfig:
+    """The drafter's configuration: a Qwen3 config plus the DFlash fields."""
+
+    qwen3: Qwen3Config
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: list[int]
+    num_target_layers: int | None = None
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)  # unknown keys, kept for round-trips
+
+    @property
+    def hidden_size(self) -> int:
+        return self.qwen3.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.qwen3.vocab_size
+
+    @property
+    def head_dim(self) -> int:
+        return getattr(self.qwen3, "head_dim", None) or self.qwen3.hidden_size // self.qwen3.num_attention_heads
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> "DrafterConfig":
+        archs = raw.get("architectures") or []
+        if "DFlash2DraftModel" in archs:
+            raise ModelLoadError(
+                f"{source}: DFlash2DraftModel (convolution + candidate selector) is not supported; "
+                f"use a {ARCHITECTURE} checkpoint"
+            )
+        if archs and ARCHITECTURE not in archs:
+            raise ModelLoadError(f"{source}: architectures = {archs}; expected [{ARCHITECTURE!r}] (z-lab DFlash format)")
+        dflash = dict(raw.get("dflash_config") or {})
+
+        def pick(name: str, default: Any = None) -> Any:
+            # Newer checkpoints nest DFlash fields in dflash_config; older ones keep them top-level.
+            return dflash.get(name, raw.get(name, default))
+
+        layer_ids = pick("target_layer_ids")
+        mask_id = pick("mask_token_id")
+        if layer_ids is None or mask_id is None:
+            raise ModelLoadError(
+                f"{source}: missing dflash_config.target_layer_ids / mask_token_id; is this a DFlash drafter?"
+            )
+        required = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+        missing = [k for k in required if k not in raw]
+        if missing:
+            raise ModelLoadError(f"{source}: missing required key(s) {missing}")
+        if raw.get("hidden_act", "silu") != "silu":
+            raise ModelLoadError(f"{source}: hidden_act = {raw['hidden_act']!r}; only 'silu' is supported")
+        qwen_keys = {k: v for k, v in raw.items() if k not in ("dflash_config", "auto_map", "architectures")}
+        qwen_keys.pop("model_type", None)
+        try:
+            qwen3 = Qwen3Config(**qwen_keys)
+        except (TypeError, ValueError) as exc:
+            raise ModelLoadError(f"{source}: not a valid Qwen3-style config: {exc}") from exc
+        known = set(Qwen3Config().to_dict()) | {
+            "dflash_config", "auto_map", "block_size", "num_target_layers", "target_layer_ids", "mask_token_id",
+            "rope_theta", "rope_scaling", "input_embedding_scale", "output_multiplier", "final_logit_softcapping",
+        }
+        softcap = pick("final_logit_softcapping")
+        return cls(
+            qwen3=qwen3,
+            block_size=int(pick("block_size", 16)),
+            mask_token_id=int(mask_id),
+            target_layer_ids=[int(i) for i in layer_ids],
+            num_target_layers=pick("num_target_layers"),
+            input_embedding_scale=float(pick("input_embedding_scale", 1.0)),
+            output_multiplier=float(pick("output_multiplier", 1.0)),
+            final_logit_softcapping=float(softcap) if softcap else None,
+            extra={k: v for k, v in raw.items() if k not in known},
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """The z-lab ``config.json``: loadable by z-lab's code (transformers 4.x) and by 5.x."""
+        out = self.qwen3.to_dict()
+        for noisy in ("transformers_version", "_name_or_path", "dtype", "id2label", "label2id", "problem_type",
+                      "chunk_size_feed_forward", "is_encoder_decoder", "output_attentions", "output_hidden_states",
+                      "return_dict"):
+            out.pop(noisy, None)
+        rope = dict(out.get("rope_parameters") or {})
+        # transformers 4.x reads rope_theta / rope_scaling at top level; 5.x reads rope_parameters.
+        out["rope_theta"] = rope.get("rope_theta", 10000.0)
+        scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+        out["rope_scaling"] = None if scaling.get("rope_type", "default") == "default" else scaling
+        out.update(self.extra)
+        out["architectures"] = [ARCHITECTURE]
+        out["model_type"] = "qwen3"
+        out["block_size"] = self.block_size
+        out["num_target_layers"] = self.num_target_layers
+        dflash: dict[str, Any] = {
+            "block_size": self.block_size,
+            "mask_token_id": self.mask_token_id,
+            "target_layer_ids": list(self.target_layer_ids),
+        }
+        if self.input_embedding_scale != 1.0:
+            dflash["input_embedding_scale"] = self.input_embedding_scale
+        if self.output_multiplier != 1.0:
+            dflash["output_multiplier"] = self.output_multiplier
+        if self.final_logit_softcapping:
+            dflash["final_logit_softcapping"] = self.final_logit_softcapping
+        out["dflash_config"] = dflash
+        return out
+
+    @classmethod
+    def for_target(
+        cls,
+        target_config: Any,
+        num_layers: int,
+        mask_token_id: int,
+        block_size: int = 16,
+        target_layer_ids: list[int] | None = None,
+        intermediate_size: int | None = None,
+    ) -> "DrafterConfig":
+        """A drafter shaped like ``target_config`` (hidden size, heads, RoPE, vocabulary)."""
+        text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+        num_target_layers = int(text.num_hidden_layers)
+        layer_ids = target_layer_ids or default_target_layer_ids(num_target_layers, num_layers)
+        heads = int(text.num_attention_heads)
+        rope = dict(getattr(text, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0})
+        qwen3 = Qwen3Config(
+            hidden_size=int(text.hidden_size),
+            intermediate_size=int(intermediate_size or text.intermediate_size),
+            num_hidden_layers=num_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=int(getattr(text, "num_key_value_heads", None) or heads),
+            head_dim=int(getattr(text, "head_dim", None) or text.hidden_size // heads),
+            rms_norm_eps=float(getattr(text, "rms_norm_eps", 1e-6)),
+            vocab_size=int(text.vocab_size),
+            max_position_embeddings=int(getattr(text, "max_position_embeddings", 4096)),
+            rope_parameters=rope,
+            tie_word_embeddings=False,
+            attention_bias=False,
+        )
+        return cls(
+            qwen3=qwen3,
+            block_size=block_size,
+            mask_token_id=mask_token_id,
+            target_layer_ids=list(layer_ids),
+            num_target_layers=num_target_layers,
+        )
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 per position: hidden states carry "massive activations" (RMS ~1e3 at
+        # position 0 in SmolLM2), so any global statistic would be dominated by them.
+        y = x.float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * y.to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for any RoPE flavour transformers knows (default, llama3, yarn, ...)."""
+
+    def __init__(self, config: Qwen3Config) -> None:
+        super().__init__()
+        params = config.rope_parameters or {"rope_type": "default", "rope_theta": 10000.0}
+        rope_type = params.get("rope_type", "default")
+        if rope_type == "default":
+            dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+            inv_freq = 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+            scaling = 1.0
+        else:
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.scaling = float(scaling)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[..., None] * self.inv_freq.to(positions.device)  # (..., T, D/2)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (N, heads, T, D); cos/sin: (N or 1, T, D)."""
+    return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
+
+
+class DrafterCache:
+    """Context K/V per drafter layer, already normalised and rotated. Blocks are never cached:
+    each cycle's block K/V is recomputed, so rolling back after verification costs nothing."""
+
+    def __init__(self, num_layers: int) -> None:
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+
+    @property
+    def length(self) -> int:
+        k = self.keys[0]
+        return 0 if k is None else k.shape[2]
+
+    def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        old_k, old_v = self.keys[layer], self.values[layer]
+        if old_k is not None:
+            k, v = torch.cat((old_k, k), dim=2), torch.cat((old_v, v), dim=2)
+        self.keys[layer], self.values[layer] = k, v
+        return k, v
+
+
+class DrafterAttention(nn.Module):
+    def __init__(self, config: DrafterConfig) -> None:
+        super().__init__()
+        q = config.qwen3
+        self.num_heads = q.num_attention_heads
+        self.num_kv_heads = q.num_key_value_heads
+        self.head_dim = config.head_dim
+        bias = bool(getattr(q, "attention_bias", False))
+        self.q_proj = nn.Linear(q.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(q.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(q.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, q.hidden_size, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, q.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, q.rms_norm_eps)
+
+    def _kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        n, t, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(n, t, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(n, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        return apply_rope(k, cos, sin), v
+
+    def forward(
+        self,
+        x: torch.Tensor,  # (N, Q, H) block hidden states
+        context: torch.Tensor | None,  # (N, C, H) fused context not yet in the cache
+        rope_block: tuple[torch.Tensor, torch.Tensor],
+        rope_context: tuple[torch.Tensor, torch.Tensor] | None,
+        mask: torch.Tensor | None,  # bool (Q, K_total) or broadcastable; True = may attend
+        cache: DrafterCache | None,
+        layer_index: int,
+    ) -> torch.Tensor:
+        n, qlen, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(n, qlen, self.num_heads, self.head_dim)).transpose(1, 2)
+        q = apply_rope(q, *rope_block)
+        k_blk, v_blk = self._kv(x, *rope_block)
+        if context is not None and context.shape[1] > 0:
+            k_ctx, v_ctx = self._kv(context, *rope_context)
+        else:
+            k_ctx = v_ctx = None
+        if cache is not None:
+            if k_ctx is not None:
+                k_ctx, v_ctx = cache.extend(layer_index, k_ctx, v_ctx)
+            else:
+                k_ctx, v_ctx = cache.keys[layer_index], cache.values[layer_index]
+        if k_ctx is not None:
+            k, v = torch.cat((k_ctx, k_blk), dim=2), torch.cat((v_ctx, v_blk), dim=2)
+        else:
+            k, v = k_blk, v_blk
+        if mask is not None and mask.dim() == 2:
+            mask = mask[None, None]
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, enable_gqa=self.num_kv_heads != self.num_heads
+        )  # (N, heads, Q, D)
+        return self.o_proj(out.transpose(1, 2).reshape(n, qlen, -1))
+
+
+class DrafterMLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DrafterLayer(nn.Module):
+    def __init__(self, config: DrafterConfig) -> None:
+        super().__init__()
+        q = config.qwen3
+        self.self_attn = DrafterAttention(config)
+        self.mlp = DrafterMLP(q.hidden_size, q.intermediate_size)
+        self.input_layernorm = RMSNorm(q.hidden_size, q.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(q.hidden_size, q.rms_norm_eps)
+
+    def forward(self, x, context, rope_block, rope_context, mask, cache, layer_index):  # noqa: ANN001, D102
+        # As in z-lab's layer: the context is *not* normalised by input_layernorm (hidden_norm
+        # already did that once for all layers).
+        x = x + self.self_attn(self.input_layernorm(x), context, rope_block, rope_context, mask, cache, layer_index)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDrafter(nn.Module):
+    """z-lab's ``DFlashDraftModel``, as a plain ``nn.Module`` with the same parameter names."""
+
+    def __init__(self, config: DrafterConfig) -> None:
+        super().__init__()
+        self.config = config
+        q = config.qwen3
+        layer_types = getattr(q, "layer_types", None) or ["full_attention"] * q.num_hidden_layers
+        if any(t != "full_attention" for t in layer_types[: q.num_hidden_layers]):
+            raise ModelLoadError("drafters with sliding-window layers are not supported yet (layer_types)")
+        self.layers = nn.ModuleList(DrafterLayer(config) for _ in range(q.num_hidden_layers))
+        self.fc = nn.Linear(len(config.target_layer_ids) * q.hidden_size, q.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(q.hidden_size, q.rms_norm_eps)
+        self.norm = RMSNorm(q.hidden_size, q.rms_norm_eps)
+        self.rotary = RotaryEmbedding(q)
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def mask_token_id(self) -> int:
+        return self.config.mask_token_id
+
+    @property
+    def target_layer_ids(self) -> list[int]:
+        return self.config.target_layer_ids
+
+    def new_cache(self) -> DrafterCache:
+        return DrafterCache(len(self.layers))
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """(…, T, len(ids)*H) concatenated target features -> (…, T, H) drafter context."""
+        return self.hidden_norm(self.fc(features))
+
+    def forward(
+        self,
+        noise_embedding: torch.Tensor,  # (N, Q, H): target embeddings of [anchor, MASK, ...]
+        block_positions: torch.Tensor,  # (N, Q) or (Q,)
+        context_features: torch.Tensor | None = None,  # (N, C, len(ids)*H) raw concatenated features
+        context_positions: torch.Tensor | None = None,  # (N, C) or (C,)
+        mask: torch.Tensor | None = None,  # bool, (Q, C_total + Q) or (N, 1, Q, C_total + Q)
+        cache: DrafterCache | None = None,
+    ) -> torch.Tensor:
+        """Hidden states for every block slot, after the final norm: (N, Q, H)."""
+        dtype = noise_embedding.dtype
+        x = noise_embedding * self.config.input_embedding_scale if self.config.input_embedding_scale != 1.0 else noise_embedding
+        rope_block = self.rotary(block_positions if block_positions.dim() == 2 else block_positions[None], dtype)
+        context = rope_context = None
+        if context_features is not None and context_features.shape[-2] > 0:
+            context = self.fuse(context_features.to(dtype))
+            pos = context_positions if context_positions.dim() == 2 else context_positions[None]
+            rope_context = self.rotary(pos, dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, context, rope_block, rope_context, mask, cache, i)
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
+        """Logits through the target's (shared, frozen) LM head, with the optional z-lab scalings."""
+        logits = F.linear(hidden, lm_head_weight)
+        if self.config.output_multiplier != 1.0:
+            logits = logits * self.config.output_multiplier
+        cap = self.config.final_logit_softcapping
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    # ------------------------------------------------------------------ z-lab checkpoint format
+    def save_pretrained(self, directory: str | Path, model_card: str | None = None) -> Path:
+        from safetensors.torch import save_file
+
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / CONFIG_NAME).write_text(json.dumps(self.config.to_dict(), indent=2) + "\n", encoding="utf-8")
+        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        save_file(state, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
+        if model_card is not None:
+            (out / "README.md").write_text(model_card, encoding="utf-8")
+        return out
+
+    @classmethod
+    def from_pretrained(
+        cls, directory: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    ) -> "DFlashDrafter":
+        """Load a z-lab checkpoint directory (single or sharded safetensors)."""
+        root = Path(directory)
+        cfg_file = root / CONFIG_NAME
+        if not cfg_file.is_file():
+            raise ModelLoadError(f"{root}: no {CONFIG_NAME}; a DFlash drafter directory holds config.json + safetensors")
+        try:
+            raw = json.loads(cfg_file.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ModelLoadError(f"{cfg_file} is not valid JSON: {exc}") from exc
+        config = DrafterConfig.from_dict(raw, source=str(cfg_file))
+        state = _read_safetensors(root)
+        state = {k.removeprefix("model."): v for k, v in state.items()}
+        model = cls(config)
+        expected = set(model.state_dict())
+        missing, unexpected = expected - set(state), set(state) - expected
+        if missing or unexpected:
+            raise ModelLoadError(
+                f"{root}: weights do not match the config: missing {sorted(missing)[:6]}, "
+                f"unexpected {sorted(unexpected)[:6]}"
+            )
+        for name, tensor in model.state_dict().items():
+            if state[name].shape != tensor.shape:
+                raise ModelLoadError(f"{root}: {name} has shape {tuple(state[name].shape)}, config implies {tuple(tensor.shape)}")
+        model.load_state_dict(state)
+        return model.to(device=device, dtype=dtype).eval()
+
+    # ------------------------------------------------------------------ compatibility with a target
+    def check_fits(self, num_target_layers: int, hidden_size: int, vocab_size: int, target_name: str = "target") -> None:
+        """Refuse, with a message that says why, a drafter made for another target."""
+        cfg = self.config
+        problems = []
+        if cfg.hidden_size != hidden_size:
+            problems.append(f"hidden size {cfg.hidden_size} != target's {hidden_size}")
+        bad = [i for i in cfg.target_layer_ids if not 0 <= i < num_target_layers]
+        if bad:
+            problems.append(f"target_layer_ids {bad} out of range for a {num_target_layers}-layer target")
+        if cfg.num_target_layers is not None and cfg.num_target_layers != num_target_layers:
+            problems.append(f"made for a {cfg.num_target_layers}-layer target, this one has {num_target_layers}")
+        if not 0 <= cfg.mask_token_id < vocab_size:
+            problems.append(f"mask_token_id {cfg.mask_token_id} outside the target's vocabulary of {vocab_size}")
+        if cfg.vocab_size != vocab_size:
+            problems.append(f"vocabulary {cfg.vocab_size} != target's {vocab_size}")
+        if problems:
+            raise DrafterMismatchError(f"this drafter does not fit {target_name}: " + "; ".join(problems))
+
+
+def _read_safetensors(root: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    index = root / WEIGHTS_INDEX_NAME
+    files = (
+        sorted({root / f for f in json.loads(index.read_text())["weight_map"].values()})
+        if index.is_file()
+        else sorted(root.glob("*.safetensors"))
+    )
+    if not files:
+        raise ModelLoadError(f"{root}: no *.safetensors weights found")
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        try:
+            state.update(load_file(str(file)))
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise ModelLoadError(f"{file} is truncated or corrupted ({exc}); re-export or re-download it") from exc
+    return state
+
+
+def init_drafter_weights(model: DFlashDrafter, std: float = 0.02, seed: int | None = None) -> None:
+    """Small normal init for linear layers, ones for norms (what the training recipe starts from)."""
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            with torch.no_grad():
+                module.weight.copy_(torch.randn(module.weight.shape, generator=gen) * std)
+                if module.bias is not None:
+                    module.bias.zero_()
+        elif isinstance(module, RMSNorm):
+            nn.init.ones_(module.weight)
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+__all__ = [
+    "DFlashDrafter",
+    "DrafterCache",
+    "DrafterConfig",
+    "default_target_layer_ids",
+    "init_drafter_weights",
+    "count_parameters",
+]

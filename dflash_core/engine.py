@@ -1,0 +1,107 @@
+"""The engine: a loaded target/drafter pair plus the checks between a request and the loop.
+
+``Engine.stream`` is what every front end calls; it validates the request (prompt, settings,
+context length) and yields the loop's ``CycleEvent``s. A target keeps per-sequence state (its KV
+cache), so one engine serves one generation at a time; ``Engine.lock`` makes that explicit for
+multi-threaded callers such as the UI.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import replace
+from typing import Any, Callable, Iterator
+
+from .errors import SettingsError
+from .loading import LoadedPair, Progress, load_pair
+from .prompting import check_fits_context, encode_prompt, max_new_tokens_limit, stop_token_ids
+from .registry import load_registry
+from .speculative import CycleEvent, GenerationConfig, GenerationResult, collect, stream
+
+MODES = ("dflash", "ar")
+
+
+class Engine:
+    def __init__(self, loaded: LoadedPair) -> None:
+        self.loaded = loaded
+        self.pair = loaded.pair
+        self.target = loaded.target
+        self.drafter = loaded.drafter
+        self.tokenizer = loaded.target.tokenizer
+        self.stop_ids = stop_token_ids(self.tokenizer, getattr(loaded.target.model, "generation_config", None))
+        self.lock = threading.Lock()
+
+    @classmethod
+    def from_registry(
+        cls, pair: str | None = None, registry: str | None = None, progress: Progress | None = None
+    ) -> "Engine":
+        return cls(load_pair(load_registry(registry).get(pair), progress))
+
+    @property
+    def max_block_size(self) -> int:
+        return self.pair.block_size or self.drafter.block_size
+
+    @property
+    def context_length(self) -> int:
+        return self.target.runner.max_positions
+
+    def prepare(self, prompt: str, config: GenerationConfig, mode: str = "dflash", raw: bool = False) -> tuple[list[int], GenerationConfig]:
+        """Prompt ids and the validated config for a request, or a clear ``DFlashError``."""
+        if mode not in MODES:
+            raise SettingsError(f"mode = {mode!r}; allowed: {', '.join(MODES)}")
+        if config.block_size is None and self.pair.block_size:
+            config = replace(config, block_size=self.pair.block_size)
+        config = config.validated(self.drafter.block_size, max_new_tokens_limit())
+        if mode == "ar":
+            config = replace(config, block_size=1)
+        ids = encode_prompt(self.tokenizer, prompt, raw=raw)
+        check_fits_context(len(ids), config.max_new_tokens, self.context_length)
+        return ids, config
+
+    def stream(
+        self,
+        prompt: str,
+        config: GenerationConfig,
+        mode: str = "dflash",
+        raw: bool = False,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> Iterator[CycleEvent]:
+        ids, config = self.prepare(prompt, config, mode, raw)
+        return self.stream_ids(ids, config, should_stop)
+
+    def stream_ids(
+        self, prompt_ids: list[int], config: GenerationConfig, should_stop: Callable[[], bool] | None = None
+    ) -> Iterator[CycleEvent]:
+        """The loop on already-encoded ids (``config`` validated); holds ``lock`` while running."""
+        drafter = self.drafter if (config.block_size or 1) > 1 else None
+
+        def locked() -> Iterator[CycleEvent]:
+            with self.lock:
+                yield from stream(self.target.runner, drafter, prompt_ids, config, self.stop_ids, should_stop)
+
+        return locked()
+
+    def generate(self, prompt: str, config: GenerationConfig, mode: str = "dflash", raw: bool = False) -> GenerationResult:
+        return collect(self.stream(prompt, config, mode, raw))
+
+    def decode(self, token_ids: list[int], skip_special: bool = True) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special)
+
+    def token_texts(self, token_ids: list[int]) -> list[str]:
+        """Each token's own text, so that their concatenation is the decoded text (for display)."""
+        texts, previous = [], ""
+        for i in range(len(token_ids)):
+            current = self.tokenizer.decode(token_ids[: i + 1], skip_special_tokens=False)
+            texts.append(current[len(previous):] if current.startswith(previous) else self.tokenizer.decode([token_ids[i]]))
+            previous = current
+        return texts
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "pair": self.pair.name,
+            "target": self.target.name,
+            "drafter_layers": len(self.drafter.layers),
+            "block_size": self.max_block_size,
+            "dtype": self.pair.dtype,
+            "runner": type(self.target.runner).__name__,
+        }

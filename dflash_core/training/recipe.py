@@ -1,0 +1,173 @@
+"""The training recipe as resumable stages: prompts -> generate -> features -> fit -> export -> evaluate.
+
+Each stage writes into the work directory and is skipped (or resumed) when its output already
+exists, so an interrupted ``python -m dflash_core train ...`` picks up where it stopped.
+``recipe_log.json`` records each stage's wall time, so the whole recipe's cost is measured.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from ..drafter import DrafterConfig
+from ..loading import LoadedTarget, choose_mask_token_id
+from .export import export_drafter, hardware_summary
+from .features import FeatureStore, build_feature_cache
+from .prompt_sources import build_prompt_set, read_prompts, split, summarize, write_prompts
+from .selfdistill import generate_responses, read_samples
+from .trainer import Trainer, TrainSettings
+
+STAGES = ("prompts", "generate", "features", "fit", "export", "evaluate")
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+@dataclass
+class RecipeOptions:
+    work_dir: Path
+    out_dir: Path
+    prompts_file: Path | None = None
+    gen_batch_size: int = 64
+    gen_max_new_tokens: int = 256
+    gen_time_budget_s: float | None = None
+    gen_token_budget: int | None = None
+    gen_max_prompts: int | None = None
+    feature_layers: list[int] | None = None  # default: the drafter's layers (+ the last layer for kl/reg)
+    eval_prompts: int = 40
+    eval_max_new_tokens: int = 256
+    command: str = ""
+    settings: TrainSettings = field(default_factory=TrainSettings)
+
+
+class RecipeLog:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.data: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {"stages": {}}
+
+    def record(self, stage: str, seconds: float, **extra: Any) -> None:
+        entry = self.data["stages"].get(stage, {"seconds": 0.0})
+        entry["seconds"] = round(entry["seconds"] + seconds, 1)
+        entry.update(extra)
+        self.data["stages"][stage] = entry
+        self.path.write_text(json.dumps(self.data, indent=2) + "\n")
+
+    @property
+    def total_seconds(self) -> float:
+        return sum(v["seconds"] for v in self.data["stages"].values())
+
+
+def _timed(log: RecipeLog, stage: str, fn: Callable[[], dict[str, Any] | None]) -> dict[str, Any]:
+    started = time.time()
+    extra = fn() or {}
+    log.record(stage, time.time() - started, **{k: v for k, v in extra.items() if isinstance(v, (int, float, str, list))})
+    return extra
+
+
+def run_recipe(target: LoadedTarget, options: RecipeOptions, stages: list[str]) -> dict[str, Any]:
+    work = options.work_dir
+    work.mkdir(parents=True, exist_ok=True)
+    log = RecipeLog(work / "recipe_log.json")
+    settings = options.settings
+    cfg = target.config
+    num_layers = int(cfg.num_hidden_layers)
+    if settings.mask_token_id < 0:
+        settings.mask_token_id = choose_mask_token_id(target.tokenizer, int(cfg.vocab_size))
+    layers = sorted(set(options.feature_layers or settings.target_layer_ids))
+    if (settings.kl_weight or settings.reg_weight) and num_layers - 1 not in layers:
+        layers.append(num_layers - 1)
+    prompts_path = work / "prompts.jsonl.gz"
+    result: dict[str, Any] = {}
+
+    if "prompts" in stages:
+        def do_prompts() -> dict[str, Any]:
+            if options.prompts_file is not None:
+                prompts = read_prompts(options.prompts_file)
+            elif prompts_path.is_file():
+                prompts = read_prompts(prompts_path)
+            else:
+                prompts = build_prompt_set(settings.seed)
+            write_prompts(prompts, prompts_path)
+            train, held = split(prompts)
+            _log(f"prompts: {len(train)} for training, {len(held)} held out; sources {summarize(train)}")
+            return {"train_prompts": len(train), "held_out": len(held)}
+        _timed(log, "prompts", do_prompts)
+
+    if "generate" in stages:
+        def do_generate() -> dict[str, Any]:
+            train, _ = split(read_prompts(prompts_path))
+            if options.gen_max_prompts:
+                train = train[: options.gen_max_prompts]
+            stats = generate_responses(
+                target.model, target.tokenizer, train, work / "responses",
+                batch_size=options.gen_batch_size, max_new_tokens=options.gen_max_new_tokens,
+                token_budget=options.gen_token_budget, time_budget_s=options.gen_time_budget_s,
+            )
+            _log(f"generate: {stats}")
+            return stats
+        _timed(log, "generate", do_generate)
+
+    if "features" in stages:
+        def do_features() -> dict[str, Any]:
+            samples = read_samples(work / "responses")
+            if not samples:
+                raise ValueError(f"no responses in {work / 'responses'}: run the generate stage first")
+            store = build_feature_cache(target.runner, samples, layers, work / "features")
+            _log(f"features: {len(store)} sequences, {store.num_tokens} tokens, layers {store.layer_ids}")
+            return {"sequences": len(store), "tokens": store.num_tokens}
+        _timed(log, "features", do_features)
+
+    trainer = None
+    if "fit" in stages or "export" in stages:
+        store = FeatureStore(work / "features")
+        drafter_config = DrafterConfig.for_target(
+            cfg, num_layers=settings.num_layers, mask_token_id=settings.mask_token_id,
+            block_size=settings.block_size, target_layer_ids=list(settings.target_layer_ids),
+        )
+        runner = target.runner
+        final_norm = target.model.model.norm.weight.detach()
+        embed = target.model.get_input_embeddings().weight.detach()
+        trainer = Trainer(settings, store, embed, runner.lm_head_weight.detach(), final_norm, drafter_config, work / "fit",
+                          target_model=target.model)
+
+    if "fit" in stages:
+        result["fit"] = _timed(log, "fit", lambda: trainer.run())
+        _log(f"fit: {result['fit']}")
+
+    if "export" in stages:
+        def do_export() -> dict[str, Any]:
+            stages_log = log.data["stages"]
+            tokens = stages_log.get("features", {}).get("tokens", "?")
+            info = {
+                "target": target.name,
+                "data": f"{tokens} tokens of the target's own greedy answers to {stages_log.get('features', {}).get('sequences', '?')} prompts "
+                        "(journal-prompts, chatterbot-corpus, chitchat-dataset, third-party code stubs, templates)",
+                "steps": trainer.step,
+                "wall_time": f"{log.total_seconds / 60:.1f} min for the whole recipe so far",
+                "hardware": hardware_summary(),
+                "settings": settings.to_json(),
+                "command": options.command,
+            }
+            export_drafter(copy.deepcopy(trainer.unwrapped()), options.out_dir, info)
+            _log(f"export: {options.out_dir}")
+            return {}
+        _timed(log, "export", do_export)
+
+    if "evaluate" in stages:
+        from .evaluate import evaluate_drafter
+
+        def do_evaluate() -> dict[str, Any]:
+            measured = evaluate_drafter(target, options.out_dir, options.eval_prompts, options.eval_max_new_tokens)
+            _log(f"evaluate: {measured}")
+            return measured
+        result["evaluate"] = _timed(log, "evaluate", do_evaluate)
+
+    result["recipe_minutes"] = round(log.total_seconds / 60, 1)
+    return result

@@ -1,0 +1,322 @@
+"""The training loop: resumable, deterministic for a seed, and ``accelerate``-ready.
+
+It reads a feature cache (``features.py``), draws anchors per sequence with a generator seeded
+by ``(seed, step)`` (so a resumed run draws exactly what the uninterrupted one would have), and
+updates only the drafter: the target's embedding and LM head are shared and frozen. Under
+``accelerate launch`` each process takes its own share of every step's sequences and gradients
+are averaged; on one CPU it is a plain loop.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from ..drafter import DFlashDrafter, DrafterConfig, init_drafter_weights
+from .features import FeatureStore
+from .objective import Batch, compute_loss, make_batch, slot_weights
+
+
+@dataclass
+class TrainSettings:
+    """Hyper-parameters; each default says why it is what it is."""
+
+    num_layers: int = 2  # drafting is paid every cycle on a CPU: few layers
+    target_layer_ids: list[int] = field(default_factory=lambda: [1, 8, 15, 22, 27])  # spread over depth
+    block_size: int = 16  # what the published drafters use and the engine verifies
+    mask_token_id: int = 7
+    anchors_per_sequence: int = 64  # blocks per sequence per step (recipe: up to 512)
+    sequences_per_step: int = 4  # several sequences: larger matmuls, smoother gradients
+    steps: int = 2000
+    lr: float = 6e-4  # DFlash recipe
+    min_lr_ratio: float = 0.05
+    warmup_fraction: float = 0.04  # DFlash recipe: 4% warm-up, then cosine
+    weight_decay: float = 0.01
+    clip_norm: float = 1.0
+    gamma: float = 7.0  # slot decay for B=16 (recipe: 7; 5 for B=10; 4 for B=8)
+    sub_vocab: int = 8192  # frequency-ranked head rows used by the CE/KL losses
+    ce_weight: float = 1.0
+    kl_weight: float = 0.0
+    reg_weight: float = 0.0
+    init: str = "random"  # random | target (copy target layers, see warm_start)
+    init_std: float = 0.02
+    seed: int = 0
+    checkpoint_every: int = 250
+    eval_every: int = 250
+    eval_sequences: int = 48
+    validation_percent: int = 2  # sequences held out from training for the per-slot accuracy
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def cosine_lr(step: int, settings: TrainSettings) -> float:
+    warm = max(1, int(settings.steps * settings.warmup_fraction))
+    if step < warm:
+        return settings.lr * (step + 1) / warm
+    progress = min(1.0, (step - warm) / max(1, settings.steps - warm))
+    floor = settings.lr * settings.min_lr_ratio
+    return floor + (settings.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def split_validation(store: FeatureStore, percent: int) -> tuple[list[int], list[int]]:
+    import hashlib
+
+    train, valid = [], []
+    for i, rec in enumerate(store.records):
+        bucket = int(hashlib.sha1(("valid:" + rec.id).encode()).hexdigest()[:8], 16) % 100
+        (valid if bucket < percent else train).append(i)
+    return train, valid
+
+
+def frequent_tokens(store: FeatureStore, indices: list[int], size: int, vocab_size: int) -> torch.Tensor:
+    """The ``size`` most frequent response tokens of the training sequences (sorted ids)."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for i in indices:
+        r = store.records[i]
+        ids = torch.from_numpy(store.ids[r.offset + r.response_start : r.offset + r.length].astype("int64"))
+        counts += torch.bincount(ids, minlength=vocab_size)[:vocab_size]
+    size = min(size, vocab_size)
+    return torch.topk(counts, size).indices.sort().values
+
+
+def warm_start(drafter: DFlashDrafter, target_model: torch.nn.Module, source_layers: list[int]) -> None:
+    """Copy target decoder layers into the drafter (q/k norms start as identity) and pass the
+    deepest selected feature through ``fc``."""
+    layers = target_model.model.layers
+    with torch.no_grad():
+        for dl, si in zip(drafter.layers, source_layers):
+            tl = layers[si]
+            for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                getattr(dl.self_attn, name).weight.copy_(getattr(tl.self_attn, name).weight.float())
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                getattr(dl.mlp, name).weight.copy_(getattr(tl.mlp, name).weight.float())
+            dl.input_layernorm.weight.copy_(tl.input_layernorm.weight.float())
+            dl.post_attention_layernorm.weight.copy_(tl.post_attention_layernorm.weight.float())
+        h = drafter.config.hidden_size
+        drafter.fc.weight.zero_()
+        drafter.fc.weight[:, -h:].copy_(torch.eye(h))
+
+
+class Trainer:
+    def __init__(
+        self,
+        settings: TrainSettings,
+        store: FeatureStore,
+        embed_weight: torch.Tensor,  # (V, H) target input embedding (frozen)
+        head_weight: torch.Tensor,  # (V, H) target LM head (frozen)
+        final_norm_weight: torch.Tensor,  # (H,) target final norm (frozen)
+        drafter_config: DrafterConfig,
+        work_dir: str | Path,
+        target_model: torch.nn.Module | None = None,
+        device: str = "cpu",
+    ) -> None:
+        from accelerate import Accelerator
+
+        self.settings = settings
+        self.store = store
+        self.work = Path(work_dir)
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.accelerator = Accelerator(cpu=device == "cpu")
+        self.device = self.accelerator.device
+        self.rank = self.accelerator.process_index
+        self.world = self.accelerator.num_processes
+        torch.manual_seed(settings.seed)
+        self.final_norm_weight = final_norm_weight.float().to(self.device)
+        self.eps = float(drafter_config.qwen3.rms_norm_eps)
+        self.embed = embed_weight.to(self.device, torch.bfloat16)
+        self.train_idx, self.valid_idx = split_validation(store, settings.validation_percent)
+        vocab = torch.as_tensor(frequent_tokens(store, self.train_idx, settings.sub_vocab, head_weight.shape[0]))
+        self.sub_ids = vocab
+        self.to_sub = torch.full((head_weight.shape[0],), -1, dtype=torch.long)
+        self.to_sub[vocab] = torch.arange(vocab.shape[0])
+        self.to_sub = self.to_sub.to(self.device)
+        self.head_sub = head_weight[vocab].to(self.device, torch.bfloat16)
+        self.head_full = head_weight.to(self.device, torch.bfloat16)
+        self.weights = slot_weights(settings.block_size, settings.gamma).to(self.device)
+        self.column_ids = list(settings.target_layer_ids)
+        need_final = settings.kl_weight > 0 or settings.reg_weight > 0
+        last = store.layer_ids[-1]
+        self.final_layer = last if need_final else None
+        if need_final and last != (drafter_config.num_target_layers or last + 1) - 1:
+            raise ValueError("KL / regression losses need the target's last layer in the feature cache")
+
+        drafter = DFlashDrafter(drafter_config)
+        init_drafter_weights(drafter, std=settings.init_std, seed=settings.seed)
+        with torch.no_grad():
+            drafter.norm.weight.copy_(final_norm_weight.float())
+        if settings.init == "target":
+            if target_model is None:
+                raise ValueError("init='target' needs the target model")
+            n = settings.num_layers
+            src = list(range(int(target_model.config.num_hidden_layers) - n, int(target_model.config.num_hidden_layers)))
+            warm_start(drafter, target_model, src)
+        decay, no_decay = [], []
+        for name, p in drafter.named_parameters():
+            (no_decay if p.dim() < 2 else decay).append(p)
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": settings.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=settings.lr, betas=(0.9, 0.95), eps=1e-8,
+        )
+        self.drafter, self.optimizer = self.accelerator.prepare(drafter, optimizer)
+        self.step = 0
+        self.log_file = self.work / "train_log.jsonl"
+        self.elapsed = 0.0
+        self._resume()
+
+    # ---------------------------------------------------------------------------- checkpoints
+    @property
+    def checkpoint_path(self) -> Path:
+        return self.work / "checkpoint.pt"
+
+    def _resume(self) -> None:
+        if not self.checkpoint_path.is_file():
+            return
+        state = torch.load(self.checkpoint_path, map_location="cpu", weights_only=False)
+        saved = state["settings"]
+        mismatched = {k for k in saved if k not in ("steps", "checkpoint_every", "eval_every") and saved[k] != getattr(self.settings, k)}
+        if mismatched:
+            raise ValueError(
+                f"{self.checkpoint_path} was written with other settings ({sorted(mismatched)}); "
+                "use another --work-dir or the same settings"
+            )
+        self.accelerator.unwrap_model(self.drafter).load_state_dict(state["drafter"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step = int(state["step"])
+        self.elapsed = float(state.get("elapsed", 0.0))
+
+    def save_checkpoint(self) -> None:
+        if not self.accelerator.is_main_process:
+            return
+        tmp = self.checkpoint_path.with_suffix(".tmp")
+        torch.save({
+            "drafter": self.accelerator.unwrap_model(self.drafter).state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "step": self.step,
+            "elapsed": self.elapsed,
+            "settings": self.settings.to_json(),
+        }, tmp)
+        os.replace(tmp, self.checkpoint_path)  # atomic: an interruption never leaves half a file
+
+    # ------------------------------------------------------------------------------- batches
+    def _sequences_for_step(self, step: int) -> list[int]:
+        s = self.settings.sequences_per_step
+        per_epoch = max(1, len(self.train_idx) // s)
+        epoch, slot = divmod(step, per_epoch)
+        perm = torch.randperm(len(self.train_idx), generator=torch.Generator().manual_seed(self.settings.seed * 1_000_003 + epoch))
+        picks = perm[slot * s : (slot + 1) * s].tolist()
+        mine = picks[self.rank :: self.world] or picks[:1]
+        return [self.train_idx[i] for i in mine]
+
+    def _batch(self, indices: list[int], generator: torch.Generator) -> tuple[Batch, torch.Tensor | None]:
+        seqs = [self.store.sequence(i, self.column_ids) for i in indices]
+        batch = make_batch(seqs, self.settings.anchors_per_sequence, self.settings.block_size,
+                           self.settings.mask_token_id, generator)
+        final = None
+        if self.final_layer is not None:
+            finals = [self.store.sequence(i, [self.final_layer])[1] for i in indices]
+            t = batch.context.shape[1]
+            raw = torch.zeros(len(finals), t, finals[0].shape[1], dtype=torch.bfloat16)
+            for j, f in enumerate(finals):
+                raw[j, : f.shape[0]] = f
+            x = raw.float()
+            x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+            final = (x * self.final_norm_weight.cpu()).to(torch.bfloat16)
+        return batch, final
+
+    def _forward(self, batch: Batch) -> torch.Tensor:
+        noise = F.embedding(batch.block_ids.to(self.device), self.embed)
+        return self.drafter(
+            noise, batch.block_pos.to(self.device), batch.context.to(self.device),
+            batch.context_pos.to(self.device), mask=batch.mask.to(self.device),
+        )
+
+    # ---------------------------------------------------------------------------------- steps
+    def train_step(self) -> dict[str, float]:
+        st = self.settings
+        for group in self.optimizer.param_groups:
+            group["lr"] = cosine_lr(self.step, st)
+        gen = torch.Generator().manual_seed(st.seed * 7919 + self.step)
+        batch, final = self._batch(self._sequences_for_step(self.step), gen)
+        self.drafter.train()
+        with torch.autocast(device_type=self.device.type, dtype=torch.bfloat16):
+            hidden = self._forward(batch)
+            parts = compute_loss(
+                hidden, batch, self.head_sub, self.to_sub, self.weights,
+                None if final is None else final.to(self.device),
+                st.ce_weight, st.kl_weight, st.reg_weight,
+            )
+        self.optimizer.zero_grad(set_to_none=True)
+        self.accelerator.backward(parts.total)
+        grad_norm = self.accelerator.clip_grad_norm_(self.drafter.parameters(), st.clip_norm)
+        self.optimizer.step()
+        self.step += 1
+        acc = (parts.slot_correct / parts.slot_count.clamp_min(1)).tolist()
+        return {"loss": float(parts.total), "ce": parts.ce, "kl": parts.kl, "reg": parts.reg,
+                "grad_norm": float(grad_norm), "acc1": acc[0], "acc_mean": sum(acc) / len(acc),
+                "lr": self.optimizer.param_groups[0]["lr"]}
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, Any]:
+        """Per-slot top-1 accuracy (full vocabulary) on held-out sequences, fixed anchors."""
+        st = self.settings
+        self.drafter.eval()
+        correct = torch.zeros(st.block_size - 1)
+        count = torch.zeros(st.block_size - 1)
+        idx = self.valid_idx[: st.eval_sequences]
+        gen = torch.Generator().manual_seed(12345)
+        for i in range(0, len(idx), st.sequences_per_step):
+            batch, _ = self._batch(idx[i : i + st.sequences_per_step], gen)
+            with torch.autocast(device_type=self.device.type, dtype=torch.bfloat16):
+                hidden = self._forward(batch)
+            s, a, km1 = batch.labels.shape
+            slots = hidden.view(s, a, km1 + 1, -1)[:, :, 1:]
+            pred = F.linear(slots.to(torch.bfloat16), self.head_full).argmax(-1).cpu()
+            valid = batch.labels >= 0
+            correct += ((pred == batch.labels) & valid).sum((0, 1)).float()
+            count += valid.sum((0, 1)).float()
+        acc = (correct / count.clamp_min(1)).tolist()
+        # Expected acceptance length if slot k were accepted independently with prob acc_k: a
+        # cheap proxy to watch (the engine measures the real tau).
+        tau, run = 1.0, 1.0
+        for p in acc:
+            run *= p
+            tau += run
+        return {"valid_acc": [round(x, 4) for x in acc], "valid_tau_proxy": round(tau, 3)}
+
+    def run(self, progress: bool = True) -> dict[str, Any]:
+        st = self.settings
+        last_eval: dict[str, Any] = {}
+        bar = tqdm(total=st.steps, initial=self.step, desc="train drafter", file=sys.stderr,
+                   dynamic_ncols=True, disable=not progress or not self.accelerator.is_main_process)
+        started = time.time() - self.elapsed
+        while self.step < st.steps:
+            metrics = self.train_step()
+            self.elapsed = time.time() - started
+            record = {"step": self.step, "elapsed_s": round(self.elapsed, 1), **{k: round(v, 5) for k, v in metrics.items()}}
+            if self.step % st.eval_every == 0 or self.step == st.steps:
+                last_eval = self.evaluate()
+                record.update(last_eval)
+            if self.accelerator.is_main_process:
+                with open(self.log_file, "a") as fh:
+                    fh.write(json.dumps(record) + "\n")
+            if self.step % st.checkpoint_every == 0 or self.step == st.steps:
+                self.save_checkpoint()
+            bar.update(1)
+            bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc1=f"{metrics['acc1']:.2f}",
+                            acc=f"{metrics['acc_mean']:.2f}", val_tau=last_eval.get("valid_tau_proxy", "-"))
+        bar.close()
+        return {"steps": self.step, "elapsed_s": self.elapsed, **last_eval}
+
+    def unwrapped(self) -> DFlashDrafter:
+        return self.accelerator.unwrap_model(self.drafter)

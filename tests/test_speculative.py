@@ -1,0 +1,178 @@
+"""The speculative loop on tiny random targets: lossless, exact budgets, caches that roll back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import tiny_drafter, tiny_target
+from dflash_core.drafter import DFlashDrafter
+from dflash_core.speculative import GenerationConfig, collect, stream
+from dflash_core.target import FastTarget, HFTarget
+
+PROMPTS = [[5, 17, 42, 8, 9, 60], [11], [70, 71, 72, 73, 74, 75, 76, 77, 78, 79, 80, 30, 31], [4, 4, 4, 4, 9, 12, 33]]
+
+
+class OracleDrafter(DFlashDrafter):
+    """Proposes the reference (autoregressive) continuation: every draft should be accepted."""
+
+    def __init__(self, base: DFlashDrafter, reference: list[int]) -> None:
+        super().__init__(base.config)
+        self.load_state_dict(base.state_dict())
+        self.reference = reference
+        self._positions = None
+
+    def forward(self, noise_embedding, block_positions, *args, **kwargs):  # noqa: D102
+        self._positions = block_positions.reshape(-1)
+        return super().forward(noise_embedding, block_positions, *args, **kwargs)
+
+    def logits(self, hidden, lm_head_weight):  # noqa: D102
+        positions = self._positions[1:].tolist()
+        out = torch.full((len(positions), lm_head_weight.shape[0]), -1e4)
+        for row, pos in enumerate(positions):
+            out[row, self.reference[pos] if pos < len(self.reference) else 0] = 1e4
+        return out.to(hidden.dtype)
+
+
+class RecordingDrafter(DFlashDrafter):
+    """A real drafter that records (block start, context cache length) at every call."""
+
+    def __init__(self, base: DFlashDrafter) -> None:
+        super().__init__(base.config)
+        self.load_state_dict(base.state_dict())
+        self.calls: list[tuple[int, int]] = []
+
+    def forward(self, noise_embedding, block_positions, *args, cache=None, **kwargs):  # noqa: D102
+        out = super().forward(noise_embedding, block_positions, *args, cache=cache, **kwargs)
+        self.calls.append((int(block_positions.reshape(-1)[0]), cache.length))
+        return out
+
+
+def runners(model):
+    return {"fast": FastTarget(model), "hf": HFTarget(model)}
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("runner_kind", ["fast", "hf"])
+def test_greedy_dflash_equals_greedy_ar_for_every_block_size(family, runner_kind):
+    model = tiny_target(family)
+    runner = runners(model)[runner_kind]
+    drafter = tiny_drafter(model, layers=1)
+    for prompt in PROMPTS:
+        ar = collect(stream(runner, None, prompt, GenerationConfig(max_new_tokens=40, block_size=1).validated(16)))
+        assert len(ar.token_ids) == 40
+        for block in (1, 2, 4, 8, 16):
+            cfg = GenerationConfig(max_new_tokens=40, block_size=block).validated(16)
+            random_out = collect(stream(runner, drafter, prompt, cfg))
+            assert random_out.token_ids == ar.token_ids, (family, runner_kind, block)
+            oracle = OracleDrafter(drafter, list(prompt) + ar.token_ids)
+            oracle_out = collect(stream(runner, oracle, prompt, cfg))
+            assert oracle_out.token_ids == ar.token_ids, (family, runner_kind, block, "oracle")
+            if block > 1:
+                # The oracle's drafts are all accepted: every full cycle commits a whole block.
+                full = [c.accept_len for c in oracle_out.cycles if len(c.drafted) == block - 1]
+                assert full and all(length == block for length in full)
+
+
+def test_oracle_accepts_everything_and_random_accepts_little():
+    model = tiny_target("llama")
+    runner = FastTarget(model)
+    drafter = tiny_drafter(model)
+    prompt = PROMPTS[0]
+    cfg = GenerationConfig(max_new_tokens=64, block_size=16).validated(16)
+    ar = collect(stream(runner, None, prompt, GenerationConfig(max_new_tokens=64, block_size=1).validated(16)))
+    oracle = collect(stream(runner, OracleDrafter(drafter, list(prompt) + ar.token_ids), prompt, cfg))
+    rand = collect(stream(runner, drafter, prompt, cfg))
+    assert oracle.tau > 10  # 63 tokens after the prefill in 4 cycles of 16
+    assert rand.tau < 2
+
+
+@pytest.mark.parametrize("runner_kind", ["fast", "hf"])
+def test_stop_token_inside_a_block_stops_exactly_there(runner_kind):
+    model = tiny_target("llama", seed=1)
+    runner = runners(model)[runner_kind]
+    drafter = tiny_drafter(model)
+    prompt = PROMPTS[2]
+    ar = collect(stream(runner, None, prompt, GenerationConfig(max_new_tokens=48, block_size=1).validated(16)))
+    # Pick a token that first occurs in the middle of the answer and call it a stop token.
+    for index, token in enumerate(ar.token_ids):
+        if index >= 5 and token not in ar.token_ids[:index]:
+            break
+    expected = ar.token_ids[: index + 1]
+    oracle = OracleDrafter(drafter, list(prompt) + ar.token_ids)
+    for d in (drafter, oracle):
+        out = collect(stream(runner, d, prompt, GenerationConfig(max_new_tokens=48, block_size=16).validated(16), stop_ids=[token]))
+        assert out.token_ids == expected
+        assert out.finish_reason == "stop"
+    ar_stop = collect(stream(runner, None, prompt, GenerationConfig(max_new_tokens=48, block_size=1).validated(16), stop_ids=[token]))
+    assert ar_stop.token_ids == expected
+
+
+@pytest.mark.parametrize("max_new", [1, 2, 3, 15, 16, 17, 31, 50])
+def test_never_more_than_max_new_tokens(max_new):
+    model = tiny_target("qwen3")
+    runner = FastTarget(model)
+    drafter = tiny_drafter(model)
+    prompt = PROMPTS[0]
+    ar = collect(stream(runner, None, prompt, GenerationConfig(max_new_tokens=64, block_size=1).validated(16)))
+    oracle = OracleDrafter(drafter, list(prompt) + ar.token_ids)
+    for d in (drafter, oracle):
+        out = collect(stream(runner, d, prompt, GenerationConfig(max_new_tokens=max_new, block_size=16).validated(16)))
+        assert out.token_ids == ar.token_ids[:max_new]
+        assert out.finish_reason == "length"
+        assert out.events[-1].tokens_so_far == max_new
+
+
+@pytest.mark.parametrize("runner_kind", ["fast", "hf"])
+def test_caches_hold_exactly_the_committed_positions_after_every_cycle(runner_kind):
+    model = tiny_target("llama", seed=2)
+    runner = runners(model)[runner_kind]
+    base = tiny_drafter(model)
+    prompt = PROMPTS[0]
+    ar = collect(stream(runner, None, prompt, GenerationConfig(max_new_tokens=60, block_size=1).validated(16)))
+    # Half-right drafts: an oracle that is wrong at every 3rd position, to exercise rollback.
+    reference = list(prompt) + ar.token_ids
+    noisy = [tok if i % 3 else (tok + 1) % 96 for i, tok in enumerate(reference)]
+    for drafter in (RecordingDrafter(base), RecordingDrafter(OracleDrafter(base, noisy))):
+        config = GenerationConfig(max_new_tokens=60, block_size=8).validated(16)
+        lengths = []
+        for event in stream(runner, drafter, prompt, config):
+            if event.finish_reason is None:
+                # The target caches every committed token except the newest (the next anchor).
+                lengths.append((runner.length, len(prompt) + event.tokens_so_far - 1))
+        assert all(got == want for got, want in lengths), lengths
+        # The drafter's context cache covers exactly the positions before each block's anchor.
+        assert drafter.calls and all(start == cached for start, cached in drafter.calls), drafter.calls
+
+
+def test_prompt_longer_than_a_prefill_chunk_is_processed_in_pieces():
+    from dflash_core import target as target_module
+
+    model = tiny_target("llama")
+    runner = FastTarget(model)
+    prompt = [(7 * i) % 90 + 4 for i in range(300)]
+    old = target_module.PREFILL_CHUNK
+    try:
+        target_module.PREFILL_CHUNK = 64
+        chunked = collect(stream(runner, None, prompt, GenerationConfig(max_new_tokens=12, block_size=1).validated(16)))
+    finally:
+        target_module.PREFILL_CHUNK = old
+    whole = collect(stream(runner, None, prompt, GenerationConfig(max_new_tokens=12, block_size=1).validated(16)))
+    hf = collect(stream(HFTarget(model), None, prompt, GenerationConfig(max_new_tokens=12, block_size=1).validated(16)))
+    assert chunked.token_ids == whole.token_ids == hf.token_ids
+
+
+def test_cancellation_ends_the_stream_within_one_cycle():
+    model = tiny_target("llama")
+    runner = FastTarget(model)
+    drafter = tiny_drafter(model)
+    polls = []
+
+    def should_stop():
+        polls.append(1)
+        return len(polls) >= 3
+
+    events = list(stream(runner, drafter, PROMPTS[0], GenerationConfig(max_new_tokens=200, block_size=16).validated(16),
+                         should_stop=should_stop))
+    assert events[-1].finish_reason == "cancelled"
+    assert len(events) == 4  # prefill, two cycles, the cancellation
