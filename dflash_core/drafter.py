@@ -102,7 +102,7 @@ class DrafterConfig:
         qwen_keys.pop("model_type", None)
         try:
             qwen3 = Qwen3Config(**qwen_keys)
-        except (TypeError, ValueError) as exc:
+        except Exception as exc:  # transformers validates with several exception types
             raise ModelLoadError(f"{source}: not a valid Qwen3-style config: {exc}") from exc
         known = set(Qwen3Config().to_dict()) | {
             "dflash_config", "auto_map", "block_size", "num_target_layers", "target_layer_ids", "mask_token_id",

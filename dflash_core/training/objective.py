@@ -179,14 +179,14 @@ def compute_loss(
             kl = (p_target * (torch.log(p_target.clamp_min(1e-12)) - logp)).sum(-1)
             kl_mean = (kl * wl).sum() / wl_norm
             total = total + kl_weight * kl_mean
-            kl_val = float(kl_mean)
+            kl_val = float(kl_mean.detach())
         if reg_weight:
             reg = F.smooth_l1_loss(slots.float(), gathered.float(), reduction="none").mean(-1)
             reg_mean = (reg * wl).sum() / wl_norm
             total = total + reg_weight * reg_mean
-            reg_val = float(reg_mean)
+            reg_val = float(reg_mean.detach())
     with torch.no_grad():
         hits = (logits.argmax(-1) == sub_labels) & valid
         slot_correct = hits.sum((0, 1)).float()
         slot_count = valid.sum((0, 1)).float()
-    return LossParts(total, float(ce_mean), kl_val, reg_val, slot_correct, slot_count)
+    return LossParts(total, float(ce_mean.detach()), kl_val, reg_val, slot_correct, slot_count)

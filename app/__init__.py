@@ -1,0 +1,1 @@
+"""DFlash Studio, the Gradio app (``python -m app``)."""

@@ -1,0 +1,33 @@
+"""``python -m app``: launch DFlash Studio.
+
+Binds 127.0.0.1:7860 unless GRADIO_SERVER_NAME / GRADIO_SERVER_PORT say otherwise; never creates a
+public share link unless DFLASH_SHARE=1. The default pair starts loading at once, in the
+background, while the page is already usable.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+def main() -> None:
+    from dflash_core.cli import _quiet_libraries
+
+    _quiet_libraries()
+    from .service import StudioService
+    from .studio import build_app, css
+
+    host = os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1")
+    port = int(os.environ.get("GRADIO_SERVER_PORT", "7860"))
+    service = StudioService(os.environ.get("DFLASH_MODELS_TOML"))
+    service.preload()
+    demo = build_app(service)
+    print(f"DFlash Studio on http://{host}:{port} (loading {service.registry.default} in the background)", file=sys.stderr)
+    demo.queue(default_concurrency_limit=1, max_size=int(os.environ.get("DFLASH_QUEUE_SIZE", "64")))
+    demo.launch(server_name=host, server_port=port, share=os.environ.get("DFLASH_SHARE") == "1",
+                css=css(), footer_links=["api"], show_error=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""HTML for the studio: coloured tokens, the cycle log, counters. Every user-visible string is
+escaped; nothing here reads files or runs code."""
+
+from __future__ import annotations
+
+import html
+
+from .recording import CycleRecord, RunRecord
+
+LEGEND = (
+    '<div class="dfs-legend"><span class="tok tok-accepted">accepted draft</span>'
+    '<span class="tok tok-target">target\'s own token</span>'
+    '<span class="tok tok-rejected">rejected draft</span>'
+    '<span class="tok tok-unused">draft never checked</span></div>'
+)
+
+
+def _esc(text: str) -> str:
+    return html.escape(text, quote=True)
+
+
+def _visible(text: str) -> str:
+    # Whitespace-only tokens stay visible in chips (the main text keeps the real characters).
+    return text.replace(" ", "\u2423").replace("\n", "\u21b5").replace("\t", "\u21e5") or "\u2205"
+
+
+def tokens_html(run: RunRecord | None, placeholder: str = "") -> str:
+    if run is None or not run.tokens:
+        return f'<div class="dfs-text dfs-empty">{_esc(placeholder)}</div>'
+    parts = []
+    for tok in run.tokens:
+        if run.mode == "ar":
+            title = f"cycle {tok.cycle} · the target's own token (autoregressive)"
+        elif tok.kind == "accepted":
+            title = f"cycle {tok.cycle} · drafted and accepted · drafter confidence {tok.confidence:.2f}"
+        else:
+            title = f"cycle {tok.cycle} · supplied by the target (bonus / correction)"
+        cls = "tok-ar" if run.mode == "ar" else f"tok-{tok.kind}"
+        if tok.special:
+            cls += " tok-special"
+        parts.append(f'<span class="tok {cls}" title="{_esc(title)}">{_esc(tok.text)}</span>')
+    return f'<div class="dfs-text">{"".join(parts)}</div>'
+
+
+def cycle_html(cycle: CycleRecord) -> str:
+    chips = []
+    for k, (text, conf) in enumerate(zip(cycle.drafted, cycle.confidence)):
+        if k < cycle.num_accepted:
+            cls, note = "tok-accepted", "accepted"
+        elif k == cycle.num_accepted:
+            cls, note = "tok-rejected", "rejected (first mismatch)"
+        else:
+            cls, note = "tok-unused", "discarded after the first mismatch"
+        chips.append(f'<span class="tok {cls}" title="{_esc(f"slot {k + 1} · confidence {conf:.2f} · {note}")}">'
+                      f"{_esc(_visible(text))}</span>")
+    chips.append(f'<span class="dfs-arrow">→</span><span class="tok tok-target" title="the target\'s own token">'
+                 f"{_esc(_visible(cycle.bonus))}</span>")
+    header = (f'<span class="dfs-cyc">#{cycle.index}</span> <b>{cycle.num_accepted + 1}</b> token(s) '
+              f'· draft {cycle.draft_s * 1000:.0f} ms · verify {cycle.verify_s * 1000:.0f} ms')
+    return f'<div class="dfs-cycle"><div class="dfs-cycle-head">{header}</div><div>{"".join(chips)}</div></div>'
+
+
+def cycle_log_html(run: RunRecord | None, last: int = 60) -> str:
+    if run is None or not run.cycles:
+        return '<div class="dfs-log dfs-empty">Each speculative cycle will appear here.</div>'
+    rows = [cycle_html(c) for c in run.cycles[-last:]][::-1]
+    hidden = len(run.cycles) - min(len(run.cycles), last)
+    more = f'<div class="dfs-more">… {hidden} earlier cycle(s)</div>' if hidden else ""
+    return f'<div class="dfs-log">{"".join(rows)}{more}</div>'
+
+
+def _fmt(value: float | None, pattern: str, missing: str = "–") -> str:
+    return missing if value is None else pattern.format(value)
+
+
+def counters_html(run: RunRecord | None, label: str) -> str:
+    if run is None:
+        return f'<div class="dfs-counters"><b>{_esc(label)}</b> waiting</div>'
+    state = run.finish_reason or "running"
+    cells = [
+        ("time", f"{run.elapsed_s:.2f} s"),
+        ("tokens", str(run.num_tokens)),
+        ("tok/s", _fmt(run.tokens_per_s, "{:.1f}")),
+    ]
+    if run.mode == "dflash":
+        cells[1:1] = [("cycles", str(len(run.cycles))), ("mean acceptance length τ", _fmt(run.tau, "{:.2f}"))]
+    body = "".join(f'<span class="dfs-cell"><small>{_esc(k)}</small><b>{_esc(v)}</b></span>' for k, v in cells)
+    return f'<div class="dfs-counters"><b>{_esc(label)}</b> <i>{_esc(state)}</i>{body}</div>'
+
+
+def speedup_html(dflash: RunRecord | None, ar: RunRecord | None, same_text: bool | None) -> str:
+    if dflash is None or ar is None or dflash.tokens_per_s is None or ar.tokens_per_s is None:
+        return '<div class="dfs-speedup">Speedup appears when both runs have finished.</div>'
+    ratio = dflash.tokens_per_s / ar.tokens_per_s
+    check = ""
+    if same_text is not None:
+        check = ("identical output ✓" if same_text else
+                 "outputs differ (sampling, or a numerical near-tie in this dtype)")
+    return (f'<div class="dfs-speedup"><b>{ratio:.2f}×</b> faster than the target alone '
+            f"({dflash.tokens_per_s:.1f} vs {ar.tokens_per_s:.1f} tok/s) · {_esc(check)}</div>")
+
+
+TIMING_NOTE = (
+    "How the comparison is timed: DFlash runs first, then the autoregressive baseline, on the same "
+    "engine and the same CPU cores, never at the same time. Each timer measures only its own run; "
+    "tokens/s excludes the prompt prefill (the first token), as in z-lab's benchmark. The race chart "
+    "replays both runs on a common clock starting at zero."
+)

@@ -1,0 +1,105 @@
+"""Engines for the studio: one per pair, loaded once (in the background for the default pair),
+with the loading progress kept for the UI to show."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Callable
+
+from dflash_core.engine import Engine
+from dflash_core.errors import DFlashError, DeviceUnavailableError
+from dflash_core.loading import device_problem, load_pair
+from dflash_core.registry import Registry, load_registry
+
+
+def on_gpu_space() -> bool:
+    """A Hugging Face Space with ZeroGPU: CUDA appears inside ``spaces.GPU`` functions."""
+    try:
+        import spaces  # noqa: F401
+    except ImportError:
+        return False
+    return bool(os.environ.get("SPACES_ZERO_GPU") or os.environ.get("SPACE_ID"))
+
+
+class StudioService:
+    def __init__(self, registry_path: str | None = None) -> None:
+        self.registry: Registry = load_registry(registry_path)
+        self._engines: dict[str, Engine] = {}
+        self._errors: dict[str, str] = {}
+        self._loading: dict[str, threading.Event] = {}
+        self._guard = threading.Lock()
+        self.status: dict[str, str] = {}
+
+    # ---------------------------------------------------------------------------------- pairs
+    def unavailable_reason(self, name: str) -> str | None:
+        pair = self.registry.pairs[name]
+        if pair.needs_cuda and on_gpu_space():
+            return None
+        return device_problem(pair)
+
+    def pair_choices(self) -> list[tuple[str, str]]:
+        """(label, value) for a dropdown; pairs that cannot run here say why in their label."""
+        choices = []
+        for name, pair in self.registry.pairs.items():
+            reason = self.unavailable_reason(name)
+            label = name if reason is None else f"{name} — unavailable here: {reason}"
+            choices.append((label, name))
+        return choices
+
+    # -------------------------------------------------------------------------------- engines
+    def preload(self, name: str | None = None) -> None:
+        """Start loading a pair in a background thread (the default pair at startup)."""
+        name = name or self.registry.default
+        threading.Thread(target=self._load_quietly, args=(name,), daemon=True, name=f"load-{name}").start()
+
+    def _load_quietly(self, name: str) -> None:
+        try:
+            self.engine(name)
+        except DFlashError:
+            pass  # kept in self._errors; shown when the pair is used
+
+    def engine(self, name: str | None, progress: Callable[[str], None] | None = None) -> Engine:
+        """The pair's engine, loading it on first use (other callers wait for that load)."""
+        name = name or self.registry.default
+        pair = self.registry.get(name)
+        reason = self.unavailable_reason(name)
+        if reason:
+            raise DeviceUnavailableError(f"pair {name!r} cannot run on this machine: {reason}")
+        with self._guard:
+            if name in self._engines:
+                return self._engines[name]
+            waiter = self._loading.get(name)
+            owner = waiter is None
+            if owner:
+                waiter = self._loading[name] = threading.Event()
+                self._errors.pop(name, None)
+        if not owner:
+            while not waiter.wait(0.5):
+                if progress:
+                    progress(self.status.get(name, "loading…"))
+            if name in self._errors:
+                raise DFlashError(self._errors[name])
+            return self._engines[name]
+
+        def report(message: str) -> None:
+            self.status[name] = message
+            if progress:
+                progress(message)
+
+        started = time.time()
+        try:
+            engine = Engine(load_pair(pair, report))
+            self.status[name] = f"ready (loaded in {time.time() - started:.1f} s)"
+            with self._guard:
+                self._engines[name] = engine
+            return engine
+        except DFlashError as exc:
+            self._errors[name] = str(exc)
+            self.status[name] = f"failed: {exc}"
+            raise
+        finally:
+            with self._guard:
+                self._loading.pop(name, None)
+            waiter.set()

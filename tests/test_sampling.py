@@ -1,0 +1,141 @@
+"""Sampling stays lossless: DFlash's output follows the target's own distribution.
+
+Tolerance: each test is a chi-square goodness-of-fit test at significance 1e-3 (cells with an
+expected count below 5 are pooled). A correct sampler fails it once in a thousand runs; the seeds
+are fixed, so the suite is deterministic. A rule that, say, always accepted drafts would be
+rejected with a p-value below 1e-30.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from conftest import tiny_drafter, tiny_target
+from dflash_core import acceptance
+from dflash_core.speculative import GenerationConfig, collect, stream
+from dflash_core.target import FastTarget
+
+ALPHA_Z = 3.0902  # standard normal quantile of 1 - 1e-3
+
+
+def chi_square_passes(observed: dict, expected: dict, n: int) -> tuple[bool, float, float]:
+    cells, pooled_o, pooled_e = [], 0.0, 0.0
+    for key, p in expected.items():
+        e = p * n
+        o = observed.get(key, 0)
+        if e < 5:
+            pooled_o, pooled_e = pooled_o + o, pooled_e + e
+        else:
+            cells.append((o, e))
+    if pooled_e > 0:
+        cells.append((pooled_o, pooled_e))
+    stat = sum((o - e) ** 2 / e for o, e in cells)
+    df = len(cells) - 1
+    # Wilson-Hilferty approximation of the chi-square critical value.
+    critical = df * (1 - 2 / (9 * df) + ALPHA_Z * math.sqrt(2 / (9 * df))) ** 3
+    return stat < critical, stat, critical
+
+
+@pytest.mark.parametrize("rule", ["match", "pq"])
+def test_acceptance_rules_keep_the_first_token_distributed_as_the_target(rule):
+    gen = torch.Generator().manual_seed(0)
+    vocab, k = 6, 3
+    target_probs = torch.softmax(torch.randn(k + 1, vocab, generator=gen) * 1.5, -1)
+    draft_probs = torch.softmax(torch.randn(k, vocab, generator=gen) * 1.5, -1)
+    n = 30000
+    counts: dict[int, int] = {}
+    accepted_total = 0
+    for _ in range(n):
+        if rule == "pq":
+            draft = acceptance.sample(draft_probs, gen)
+            a, bonus = acceptance.pq(draft, draft_probs, target_probs, gen)
+        else:
+            draft = draft_probs.argmax(-1)
+            a, bonus, _ = acceptance.match(draft, target_probs, gen)
+        a = int(a)
+        accepted_total += a
+        first = int(draft[0]) if a > 0 else int(bonus)
+        counts[first] = counts.get(first, 0) + 1
+    expected = {x: float(target_probs[0, x]) for x in range(vocab)}
+    ok, stat, critical = chi_square_passes(counts, expected, n)
+    assert ok, (stat, critical, counts)
+    assert accepted_total > 0.2 * n  # the test exercises acceptance, not only the bonus path
+
+
+def test_pq_rule_accepts_everything_when_draft_equals_target():
+    gen = torch.Generator().manual_seed(1)
+    probs = torch.softmax(torch.randn(5, 7, generator=gen), -1)
+    for _ in range(200):
+        draft = acceptance.sample(probs[:4], gen)
+        a, _ = acceptance.pq(draft, probs[:4], probs, gen)
+        assert int(a) == 4
+
+
+def test_greedy_rule_is_the_argmax_prefix():
+    logits = torch.tensor([[0.0, 5, 0], [9, 0, 0], [0, 0, 4], [1, 0, 0]])
+    a, bonus, choices = acceptance.greedy(torch.tensor([1, 0, 1]), logits)
+    assert (int(a), int(bonus), choices.tolist()) == (2, 2, [1, 0, 2, 0])
+
+
+def test_warp_applies_top_k_and_top_p():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    assert torch.allclose(acceptance.warp(logits, 1.0), torch.tensor([0.5, 0.3, 0.15, 0.05]), atol=1e-6)
+    assert torch.allclose(acceptance.warp(logits, 1.0, top_k=2), torch.tensor([0.625, 0.375, 0, 0]), atol=1e-6)
+    assert torch.allclose(acceptance.warp(logits, 1.0, top_p=0.7), torch.tensor([0.625, 0.375, 0, 0]), atol=1e-6)
+
+
+@pytest.mark.parametrize("rule", ["match", "pq"])
+def test_dflash_sampling_follows_the_targets_distribution_end_to_end(rule):
+    """Joint distribution of 3 generated tokens over a 5-token vocabulary (125 outcomes)."""
+    vocab, temperature = 5, 1.3
+    model = tiny_target("llama", vocab=vocab, layers=2, seed=5)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(0.15)  # soften: every outcome has some mass
+    runner = FastTarget(model)
+    drafter = tiny_drafter(model, layers=1, block_size=4, mask_token_id=4, seed=2)
+    prompt = [1, 3, 0, 2]
+
+    # The exact distribution of 3 tokens, from the target alone.
+    def next_probs(ids):
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0, -1]
+        return acceptance.warp(logits, temperature)
+
+    expected = {}
+    p1 = next_probs(prompt)
+    for a in range(vocab):
+        p2 = next_probs(prompt + [a])
+        for b in range(vocab):
+            p3 = next_probs(prompt + [a, b])
+            for c in range(vocab):
+                expected[(a, b, c)] = float(p1[a] * p2[b] * p3[c])
+
+    n = 2000
+    observed: dict[tuple, int] = {}
+    accepted = 0
+    for seed in range(n):
+        config = GenerationConfig(max_new_tokens=3, block_size=4, temperature=temperature, seed=seed, rule=rule)
+        out = collect(stream(runner, drafter, prompt, config.validated(4)))
+        key = tuple(out.token_ids)
+        observed[key] = observed.get(key, 0) + 1
+        accepted += sum(c.num_accepted for c in out.cycles)
+    assert set(observed) <= set(itertools.product(range(vocab), repeat=3))
+    ok, stat, critical = chi_square_passes(observed, expected, n)
+    assert ok, (stat, critical)
+    assert accepted > 0.1 * n  # drafts were really accepted, not only bonus tokens
+
+
+def test_sampling_is_reproducible_for_a_seed():
+    model = tiny_target("qwen3", seed=4)
+    runner = FastTarget(model)
+    drafter = tiny_drafter(model)
+    config = GenerationConfig(max_new_tokens=30, block_size=8, temperature=0.9, seed=123).validated(16)
+    a = collect(stream(runner, drafter, [5, 6, 7], config)).token_ids
+    b = collect(stream(runner, drafter, [5, 6, 7], config)).token_ids
+    c = collect(stream(runner, drafter, [5, 6, 7], GenerationConfig(max_new_tokens=30, block_size=8, temperature=0.9, seed=7).validated(16))).token_ids
+    assert a == b
+    assert a != c

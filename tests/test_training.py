@@ -1,0 +1,145 @@
+"""Drafter training on tiny random targets: the mask, the loss going down, resume, export."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import tiny_target
+from dflash_core.drafter import DFlashDrafter, DrafterConfig
+from dflash_core.speculative import GenerationConfig, collect, stream
+from dflash_core.target import FastTarget
+from dflash_core.training.features import build_feature_cache
+from dflash_core.training.objective import make_batch, naive_training_mask, training_mask
+from dflash_core.training.selfdistill import Sample
+from dflash_core.training.trainer import Trainer, TrainSettings
+
+
+def test_training_mask_is_exactly_the_per_block_construction():
+    gen = torch.Generator().manual_seed(0)
+    for block_size, anchors_per_seq, context in ((4, 3, 20), (8, 5, 40), (16, 2, 33)):
+        anchors = torch.stack([torch.randperm(context - 2, generator=gen)[:anchors_per_seq].sort().values + 1 for _ in range(3)])
+        fast = training_mask(anchors, context, block_size)
+        assert torch.equal(fast, naive_training_mask(anchors, context, block_size))
+        # Spot-check the semantics, not just the two implementations against each other.
+        row = block_size + 1  # block 1, slot 1
+        anchor = int(anchors[0, 1])
+        assert fast[0, 0, row, :anchor].all() and not fast[0, 0, row, anchor:context].any()
+        assert fast[0, 0, row, context + block_size : context + 2 * block_size].all()
+        assert not fast[0, 0, row, context : context + block_size].any()
+
+
+def test_batch_labels_are_the_tokens_at_each_slots_position():
+    ids = torch.arange(100, 140)
+    feats = torch.zeros(40, 8)
+    batch = make_batch([(ids, feats, 10)], 6, 4, mask_token_id=3, generator=torch.Generator().manual_seed(1))
+    anchors = batch.block_pos.view(6, 4)[:, 0]
+    assert (anchors >= 10).all()
+    for b, anchor in enumerate(anchors.tolist()):
+        assert batch.block_ids[0, b * 4] == 100 + anchor
+        assert batch.block_ids[0, b * 4 + 1 : b * 4 + 4].eq(3).all()
+        for k in range(1, 4):
+            want = 100 + anchor + k if anchor + k < 40 else -100
+            assert batch.labels[0, b, k - 1] == want
+
+
+@pytest.fixture(scope="module")
+def tiny_setup(tmp_path_factory):
+    """A tiny target, its own greedy answers to 40 prompts, and their feature cache."""
+    model = tiny_target("llama", vocab=96, layers=4, seed=3)
+    runner = FastTarget(model)
+    gen = torch.Generator().manual_seed(0)
+    samples = []
+    for i in range(40):
+        prompt = torch.randint(4, 96, (int(torch.randint(3, 12, (1,), generator=gen)),), generator=gen).tolist()
+        out = collect(stream(runner, None, prompt, GenerationConfig(max_new_tokens=40, block_size=1).validated(16)))
+        samples.append(Sample(f"s{i}", prompt, out.token_ids, False))
+    root = tmp_path_factory.mktemp("tiny-train")
+    store = build_feature_cache(runner, samples, [1, 3], root / "features")
+    return model, runner, store, root
+
+
+def make_trainer(setup, work, **overrides):
+    model, runner, store, _ = setup
+    settings = TrainSettings(
+        num_layers=1, target_layer_ids=[1, 3], block_size=8, mask_token_id=3, anchors_per_sequence=16,
+        sequences_per_step=4, steps=40, lr=3e-3, sub_vocab=64, gamma=4.0, eval_every=1000, checkpoint_every=5,
+        eval_sequences=4, validation_percent=10, init_std=0.05,
+    )
+    for k, v in overrides.items():
+        setattr(settings, k, v)
+    config = DrafterConfig.for_target(model.config, num_layers=1, mask_token_id=3, block_size=8, target_layer_ids=[1, 3])
+    return Trainer(settings, store, model.model.embed_tokens.weight.detach(), model.lm_head.weight.detach(),
+                   model.model.norm.weight.detach(), config, work, target_model=model)
+
+
+def test_feature_cache_holds_the_targets_layer_outputs(tiny_setup):
+    model, runner, store, _ = tiny_setup
+    ids, feats, start = store.sequence(0)
+    runner.reset(len(ids))
+    out = runner.forward(ids, [1, 3])
+    assert torch.equal(out.features.to(torch.bfloat16), feats)
+    assert 3 <= start < len(ids)
+
+
+def test_a_few_steps_lower_the_loss(tiny_setup, tmp_path):
+    trainer = make_trainer(tiny_setup, tmp_path)
+    losses = [trainer.train_step()["loss"] for _ in range(40)]
+    assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5, losses
+
+
+def test_resuming_from_a_checkpoint_continues_the_same_run(tiny_setup, tmp_path):
+    straight = make_trainer(tiny_setup, tmp_path / "a", steps=10)
+    straight.run(progress=False)
+    interrupted = make_trainer(tiny_setup, tmp_path / "b", steps=10, checkpoint_every=5)
+    for _ in range(5):
+        interrupted.train_step()
+    interrupted.save_checkpoint()
+    interrupted.train_step()  # work after the checkpoint is lost by the "crash"
+    resumed = make_trainer(tiny_setup, tmp_path / "b", steps=10, checkpoint_every=5)
+    assert resumed.step == 5
+    resumed.run(progress=False)
+    a = straight.unwrapped().state_dict()
+    b = resumed.unwrapped().state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_training_is_deterministic_given_a_seed(tiny_setup, tmp_path):
+    one = make_trainer(tiny_setup, tmp_path / "one", steps=6)
+    two = make_trainer(tiny_setup, tmp_path / "two", steps=6)
+    one.run(progress=False)
+    two.run(progress=False)
+    a, b = one.unwrapped().state_dict(), two.unwrapped().state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    other = make_trainer(tiny_setup, tmp_path / "three", steps=6, seed=1)
+    other.run(progress=False)
+    assert not all(torch.equal(a[k], other.unwrapped().state_dict()[k]) for k in a)
+
+
+def test_resume_with_other_settings_is_refused(tiny_setup, tmp_path):
+    first = make_trainer(tiny_setup, tmp_path, steps=2)
+    first.run(progress=False)
+    with pytest.raises(ValueError, match="other settings"):
+        make_trainer(tiny_setup, tmp_path, steps=2, lr=1e-2)
+
+
+def test_exported_drafter_loads_back_through_the_engine_with_identical_logits(tiny_setup, tmp_path):
+    from dflash_core.training.export import export_drafter
+
+    trainer = make_trainer(tiny_setup, tmp_path / "work", steps=3)
+    trainer.run(progress=False)
+    out = export_drafter(trainer.unwrapped(), tmp_path / "export", {"target": "tiny", "steps": 3})
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"]
+    assert config["dflash_config"]["target_layer_ids"] == [1, 3]
+    loaded = DFlashDrafter.from_pretrained(out, dtype=torch.bfloat16)
+    original = trainer.unwrapped().to(torch.bfloat16).eval()
+    noise = torch.randn(1, 8, 64, dtype=torch.bfloat16)
+    ctx = torch.randn(1, 20, 128, dtype=torch.bfloat16)
+    with torch.no_grad():
+        a = original(noise, torch.arange(20, 28), ctx, torch.arange(20))
+        b = loaded(noise, torch.arange(20, 28), ctx, torch.arange(20))
+    assert torch.equal(a, b)
+    assert (out / "README.md").read_text().count("DFlash drafter") >= 1
