@@ -1,0 +1,1 @@
+"""Benchmarking DFlash against its peers (``python -m dflash_core bench``)."""

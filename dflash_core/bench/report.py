@@ -1,0 +1,89 @@
+"""results.json and a self-contained HTML report (plotly inlined: it opens offline)."""
+
+from __future__ import annotations
+
+import html
+import json
+from pathlib import Path
+from typing import Any
+
+import plotly.graph_objects as go
+
+from .runner import PromptRecord
+
+COLORS = {"dflash": "#2e9d5b", "ar": "#888888", "hf_generate": "#3468c0", "prompt_lookup": "#e39b2d"}
+
+
+def records_json(records: list[PromptRecord]) -> list[dict[str, Any]]:
+    rows = []
+    for r in records:
+        row: dict[str, Any] = {"index": r.index, "prompt_tokens": r.prompt_tokens, "methods": {}}
+        for name, run in r.runs.items():
+            entry: dict[str, Any] = {"tokens": len(run.tokens), "seconds": round(run.seconds, 5),
+                                     "tokens_per_s": round(run.tokens_per_s, 3)}
+            if run.result is not None:
+                entry["decode_seconds"] = round(run.decode_seconds or 0.0, 5)
+                entry["tau"] = round(run.result.tau, 4)
+                entry["acceptance_lengths"] = run.result.acceptance_lengths
+                entry["draft_s"] = round(sum(c.draft_s for c in run.result.cycles), 5)
+                entry["verify_s"] = round(sum(c.verify_s for c in run.result.cycles), 5)
+            row["methods"][name] = entry
+        if "dflash" in r.runs and "ar" in r.runs:
+            row["dflash_equals_ar"] = r.runs["dflash"].tokens == r.runs["ar"].tokens
+        rows.append(row)
+    return rows
+
+
+def write_results(out: Path, settings: dict[str, Any], summary: dict[str, Any], records: list[PromptRecord]) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "results.json"
+    path.write_text(json.dumps({"settings": settings, "summary": summary, "prompts": records_json(records)}, indent=2) + "\n")
+    return path
+
+
+def _figures(summary: dict[str, Any], records: list[PromptRecord]) -> list[go.Figure]:
+    figs = []
+    tps = summary["tokens_per_s"]
+    fig = go.Figure(go.Bar(x=list(tps), y=list(tps.values()), marker_color=[COLORS.get(m, "#555") for m in tps]))
+    fig.update_layout(title="Throughput (tokens/s, all prompts)", yaxis_title="tokens/s")
+    figs.append(fig)
+    fig = go.Figure()
+    for method in tps:
+        fig.add_scatter(x=[r.index for r in records if method in r.runs],
+                        y=[r.runs[method].tokens_per_s for r in records if method in r.runs],
+                        mode="lines+markers", name=method, line={"color": COLORS.get(method)})
+    fig.update_layout(title="Tokens/s per prompt", xaxis_title="prompt", yaxis_title="tokens/s")
+    figs.append(fig)
+    hist = summary.get("acceptance_histogram") or []
+    fig = go.Figure(go.Bar(x=list(range(1, len(hist) + 1)), y=hist, marker_color=COLORS["dflash"]))
+    fig.update_layout(title=f"Acceptance lengths (tau = {summary.get('tau')})", xaxis_title="tokens per cycle", yaxis_title="cycles")
+    figs.append(fig)
+    if summary.get("mean_draft_ms") is not None:
+        fig = go.Figure(go.Bar(x=["drafter", "verifier"], y=[summary["mean_draft_ms"], summary["mean_verify_ms"]],
+                               marker_color=["#e39b2d", "#3468c0"]))
+        fig.update_layout(title="Mean time per cycle (ms)", yaxis_title="ms")
+        figs.append(fig)
+    for f in figs:
+        f.update_layout(template="plotly_white", height=340, margin={"t": 50, "l": 50, "r": 20, "b": 40})
+    return figs
+
+
+def write_html(out: Path, settings: dict[str, Any], summary: dict[str, Any], records: list[PromptRecord]) -> Path:
+    figs = _figures(summary, records)
+    body = [fig.to_html(full_html=False, include_plotlyjs=(i == 0)) for i, fig in enumerate(figs)]
+    rows = "".join(f"<tr><td>{html.escape(str(k))}</td><td>{html.escape(json.dumps(v))}</td></tr>" for k, v in summary.items())
+    conf = "".join(f"<tr><td>{html.escape(str(k))}</td><td>{html.escape(json.dumps(v))}</td></tr>" for k, v in settings.items())
+    lossless = summary.get("lossless")
+    banner = ("" if lossless is None else
+              ('<p style="color:#2e9d5b"><b>Lossless: every greedy DFlash output equalled the autoregressive output.</b></p>'
+               if lossless else
+               f'<p style="color:#c0392b"><b>MISMATCH: DFlash differed from AR on prompts {summary["mismatched_prompts"]}.</b></p>'))
+    page = (
+        "<!doctype html><html><head><meta charset='utf-8'><title>DFlash benchmark</title>"
+        "<style>body{font-family:sans-serif;max-width:1100px;margin:auto}td{border:1px solid #ddd;padding:3px 8px}"
+        "table{border-collapse:collapse}</style></head><body><h1>DFlash benchmark</h1>" + banner +
+        f"<h2>Summary</h2><table>{rows}</table><h2>Settings</h2><table>{conf}</table>" + "".join(body) + "</body></html>"
+    )
+    path = out / "report.html"
+    path.write_text(page, encoding="utf-8")
+    return path

@@ -1,0 +1,194 @@
+"""Timing DFlash against its peers, interleaved per prompt so that machine drift cancels.
+
+Methods (all greedy unless a temperature is given; all on the same loaded target weights):
+
+* ``dflash`` — the engine with the pair's drafter;
+* ``ar`` — the same engine, block size 1 (the target alone, our own loop);
+* ``hf_generate`` — transformers ``model.generate()``, what most users run today;
+* ``prompt_lookup`` — transformers prompt-lookup decoding (``prompt_lookup_num_tokens``).
+
+Timing lives here, not in the loop: each method is timed end to end (prefill included) with a
+CUDA synchronisation on GPUs (``torch.cuda.Event`` pairs), ``perf_counter`` on CPUs. The order of
+the methods rotates from prompt to prompt, after a warm-up of every method.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from ..engine import Engine
+from ..prompting import encode_prompt
+from ..speculative import GenerationConfig, GenerationResult, collect
+
+METHODS = ("dflash", "ar", "hf_generate", "prompt_lookup")
+
+
+@dataclass
+class MethodRun:
+    method: str
+    tokens: list[int]
+    seconds: float  # end to end, prefill included
+    decode_seconds: float | None = None  # after the first token (engine methods only)
+    result: GenerationResult | None = None
+
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.tokens) / self.seconds if self.seconds > 0 else float("nan")
+
+
+@dataclass
+class PromptRecord:
+    index: int
+    prompt_tokens: int
+    runs: dict[str, MethodRun] = field(default_factory=dict)
+
+
+class Timer:
+    """Wall time of a callable; CUDA events when the device is a GPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def __call__(self, fn: Callable[[], Any]) -> tuple[Any, float]:
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start.record()
+            out = fn()
+            end.record()
+            torch.cuda.synchronize()
+            return out, start.elapsed_time(end) / 1000.0
+        began = time.perf_counter()
+        out = fn()
+        return out, time.perf_counter() - began
+
+
+class Bench:
+    def __init__(self, engine: Engine, config: GenerationConfig, methods: tuple[str, ...] = METHODS,
+                 prompt_lookup_tokens: int = 10, rules: tuple[str, ...] = ("match",)) -> None:
+        self.engine = engine
+        self.config = config
+        self.methods = methods
+        self.prompt_lookup_tokens = prompt_lookup_tokens
+        self.rules = rules
+        self.timer = Timer(engine.target.runner.device)
+
+    # ---------------------------------------------------------------------------- methods
+    def _engine_run(self, ids: list[int], mode: str, rule: str = "match") -> MethodRun:
+        cfg = self.config if mode == "dflash" else GenerationConfig(
+            max_new_tokens=self.config.max_new_tokens, block_size=1, temperature=self.config.temperature,
+            top_p=self.config.top_p, top_k=self.config.top_k, seed=self.config.seed)
+        cfg = GenerationConfig(**{**cfg.__dict__, "rule": rule}).validated(self.engine.drafter.block_size)
+        result, seconds = self.timer(lambda: collect(self.engine.stream_ids(ids, cfg)))
+        return MethodRun(mode if rule == "match" else f"{mode}_{rule}", result.token_ids, seconds, result.decode_s, result)
+
+    def _hf_run(self, ids: list[int], lookup: bool) -> MethodRun:
+        model = self.engine.target.model
+        device = self.engine.target.runner.device
+        input_ids = torch.tensor([ids], device=device)
+        kwargs: dict[str, Any] = {
+            "max_new_tokens": self.config.max_new_tokens, "eos_token_id": self.engine.stop_ids,
+            "pad_token_id": self.engine.stop_ids[0] if self.engine.stop_ids else None,
+            "attention_mask": torch.ones_like(input_ids),
+        }
+        if self.config.temperature > 0:
+            kwargs.update(do_sample=True, temperature=self.config.temperature)
+        else:
+            kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+        if lookup:
+            kwargs["prompt_lookup_num_tokens"] = self.prompt_lookup_tokens
+
+        def run() -> list[int]:
+            with torch.inference_mode():
+                out = model.generate(input_ids, **kwargs)
+            return out[0, len(ids):].tolist()
+
+        tokens, seconds = self.timer(run)
+        return MethodRun("prompt_lookup" if lookup else "hf_generate", tokens, seconds)
+
+    def run_method(self, method: str, ids: list[int]) -> list[MethodRun]:
+        if method == "dflash":
+            return [self._engine_run(ids, "dflash", rule) for rule in self.rules]
+        if method == "ar":
+            return [self._engine_run(ids, "ar")]
+        if method == "hf_generate":
+            return [self._hf_run(ids, lookup=False)]
+        if method == "prompt_lookup":
+            return [self._hf_run(ids, lookup=True)]
+        raise ValueError(f"unknown method {method!r}; allowed: {', '.join(METHODS)}")
+
+    # ------------------------------------------------------------------------------- driver
+    def run(self, prompts: list[str], warmup: int = 1, log: Callable[[str], None] | None = None) -> list[PromptRecord]:
+        encoded = [encode_prompt(self.engine.tokenizer, p) for p in prompts]
+        for ids in encoded[:warmup]:
+            for method in self.methods:  # compile caches, allocators, lazy inits: not timed
+                self.run_method(method, ids)
+        records = []
+        for index, ids in enumerate(encoded):
+            record = PromptRecord(index, len(ids))
+            order = self.methods[index % len(self.methods):] + self.methods[: index % len(self.methods)]
+            for method in order:
+                for run in self.run_method(method, ids):
+                    record.runs[run.method] = run
+            records.append(record)
+            if log:
+                parts = " ".join(f"{m}={r.tokens_per_s:.1f}" for m, r in record.runs.items())
+                tau = record.runs.get("dflash").result.tau if "dflash" in record.runs else float("nan")
+                log(f"[{index + 1}/{len(encoded)}] tok/s {parts} tau={tau:.2f}")
+        return records
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return round(a / b, 4) if b and b == b and a == a else None
+
+
+def summarize(records: list[PromptRecord], block_size: int, temperature: float) -> dict[str, Any]:
+    """Aggregate throughput (total tokens / total time per method), ratios, tau, losslessness."""
+    methods = sorted({m for r in records for m in r.runs})
+    totals = {m: (sum(len(r.runs[m].tokens) for r in records if m in r.runs),
+                  sum(r.runs[m].seconds for r in records if m in r.runs)) for m in methods}
+    tps = {m: (t / s if s > 0 else float("nan")) for m, (t, s) in totals.items()}
+    summary: dict[str, Any] = {"prompts": len(records), "tokens_per_s": {m: round(v, 3) for m, v in tps.items()}}
+    histogram = [0] * block_size
+    draft_s = verify_s = 0.0
+    cycles = 0
+    lengths: list[int] = []
+    for r in records:
+        run = r.runs.get("dflash")
+        if run is None or run.result is None:
+            continue
+        for c in run.result.cycles:
+            if c.drafted:
+                lengths.append(c.accept_len)
+                histogram[min(c.accept_len, block_size) - 1] += 1
+            draft_s += c.draft_s
+            verify_s += c.verify_s
+            cycles += 1
+    summary["tau"] = round(sum(lengths) / len(lengths), 4) if lengths else None
+    for rule_method in [m for m in methods if m.startswith("dflash_")]:
+        rule_lengths = [c.accept_len for r in records if rule_method in r.runs for c in r.runs[rule_method].result.cycles if c.drafted]
+        summary[f"tau_{rule_method.removeprefix('dflash_')}"] = round(sum(rule_lengths) / len(rule_lengths), 4) if rule_lengths else None
+    summary["acceptance_histogram"] = histogram
+    summary["mean_draft_ms"] = round(1000 * draft_s / cycles, 3) if cycles else None
+    summary["mean_verify_ms"] = round(1000 * verify_s / cycles, 3) if cycles else None
+    d = tps.get("dflash", float("nan"))
+    summary["speedup_vs_ar"] = _ratio(d, tps.get("ar", float("nan")))
+    summary["speedup_vs_hf_generate"] = _ratio(d, tps.get("hf_generate", float("nan")))
+    summary["speedup_vs_prompt_lookup"] = _ratio(d, tps.get("prompt_lookup", float("nan")))
+    summary["ar_vs_hf_generate"] = _ratio(tps.get("ar", float("nan")), tps.get("hf_generate", float("nan")))
+    mismatches = [r.index for r in records if "dflash" in r.runs and "ar" in r.runs and r.runs["dflash"].tokens != r.runs["ar"].tokens]
+    summary["lossless_checked"] = temperature == 0 and "dflash" in methods and "ar" in methods
+    summary["lossless"] = (not mismatches) if summary["lossless_checked"] else None
+    summary["mismatched_prompts"] = mismatches
+    hf_diff = [r.index for r in records if "hf_generate" in r.runs and "ar" in r.runs and r.runs["hf_generate"].tokens != r.runs["ar"].tokens]
+    summary["ar_differs_from_hf_generate"] = hf_diff if temperature == 0 else None
+    return summary
+
+
+def warn(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
