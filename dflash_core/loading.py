@@ -60,6 +60,13 @@ def check_device(device: str) -> None:
 
 def device_problem(pair: ModelPair) -> str | None:
     """Why ``pair`` cannot run on this machine (None when it can), for listing pairs."""
+    if pair.drafter.kind == "path" and not Path(pair.drafter.location).is_dir():
+        return f"drafter directory {pair.drafter.location} is missing (train one: python -m dflash_core train)"
+    if pair.target.kind == "gguf":
+        try:
+            resolve_gguf(pair.target)
+        except ModelLoadError as exc:
+            return str(exc)
     for device in {pair.target_device, pair.drafter_device}:
         try:
             check_device("cuda" if device == "auto" else device)
@@ -174,7 +181,7 @@ def load_target(
     kwargs: dict[str, Any] = {"dtype": torch_dtype(dtype), "trust_remote_code": False, **extra}
     if device == "auto":
         kwargs["device_map"] = "auto"
-    elif device != "cpu":
+    elif device != "cpu" or quantization:
         kwargs["device_map"] = {"": device}
     if quantization:
         try:
