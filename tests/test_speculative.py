@@ -28,7 +28,7 @@ class OracleDrafter(DFlashDrafter):
 
     def logits(self, hidden, lm_head_weight):  # noqa: D102
         positions = self._positions[1:].tolist()
-        out = torch.full((len(positions), lm_head_weight.shape[0]), -1e4)
+        out = torch.full((len(positions), lm_head_weight.shape[0]), -1e4, device=hidden.device)
         for row, pos in enumerate(positions):
             out[row, self.reference[pos] if pos < len(self.reference) else 0] = 1e4
         return out.to(hidden.dtype)
