@@ -258,6 +258,39 @@ class DrafterCache:
         return k, v
 
 
+@dataclass
+class BlockLayout:
+    """The training layout, as a cheaper alternative to a dense boolean mask: ``A`` blocks of
+    ``block_size`` slots per sequence, block ``a`` anchored at ``anchors[:, a]``. A block sees the
+    context strictly before its anchor and its own slots, never another block — exactly
+    ``training.objective.training_mask`` — but attention is computed block-wise, so its cost
+    grows with ``A * B * (T + B)`` instead of ``A * B * (T + A * B)``."""
+
+    anchors: torch.Tensor  # (N, A) absolute anchor positions
+    block_size: int
+
+
+def _blockwise_attention(q, k_ctx, v_ctx, k_blk, v_blk, layout: BlockLayout) -> torch.Tensor:
+    """q: (N, H, A*B, D); k/v_ctx: (N, KV, T, D); k/v_blk: (N, KV, A*B, D) -> (N, H, A*B, D)."""
+    n, h, q_len, d = q.shape
+    kv = k_blk.shape[1]
+    g = h // kv
+    b = layout.block_size
+    a = q_len // b
+    t = k_ctx.shape[2]
+    scale = d**-0.5
+    qg = q.view(n, kv, g, a, b, d) * scale
+    scores_ctx = torch.matmul(qg.reshape(n, kv, g * a * b, d), k_ctx.transpose(-1, -2)).view(n, kv, g, a, b, t)
+    hidden = torch.arange(t, device=q.device)[None, None, :] >= layout.anchors[:, :, None]  # (N, A, T)
+    scores_ctx = scores_ctx.masked_fill(hidden[:, None, None, :, None, :], float("-inf"))
+    scores_blk = torch.matmul(qg, k_blk.view(n, kv, 1, a, b, d).transpose(-1, -2))  # (N, KV, G, A, B, B)
+    probs = torch.softmax(torch.cat((scores_ctx, scores_blk), dim=-1).float(), dim=-1).to(q.dtype)
+    p_ctx, p_blk = probs.split((t, b), dim=-1)
+    out = torch.matmul(p_ctx.reshape(n, kv, g * a * b, t), v_ctx).view(n, kv, g, a, b, d)
+    out = out + torch.matmul(p_blk, v_blk.view(n, kv, 1, a, b, d))
+    return out.view(n, h, q_len, d)
+
+
 class DrafterAttention(nn.Module):
     def __init__(self, config: DrafterConfig) -> None:
         super().__init__()
@@ -302,6 +335,9 @@ class DrafterAttention(nn.Module):
                 k_ctx, v_ctx = cache.extend(layer_index, k_ctx, v_ctx)
             else:
                 k_ctx, v_ctx = cache.keys[layer_index], cache.values[layer_index]
+        if isinstance(mask, BlockLayout):
+            out = _blockwise_attention(q, k_ctx, v_ctx, k_blk, v_blk, mask)
+            return self.o_proj(out.transpose(1, 2).reshape(n, qlen, -1))
         if k_ctx is not None:
             k, v = torch.cat((k_ctx, k_blk), dim=2), torch.cat((v_ctx, v_blk), dim=2)
         else:
@@ -382,7 +418,7 @@ class DFlashDrafter(nn.Module):
         block_positions: torch.Tensor,  # (N, Q) or (Q,)
         context_features: torch.Tensor | None = None,  # (N, C, len(ids)*H) raw concatenated features
         context_positions: torch.Tensor | None = None,  # (N, C) or (C,)
-        mask: torch.Tensor | None = None,  # bool, (Q, C_total + Q) or (N, 1, Q, C_total + Q)
+        mask: "torch.Tensor | BlockLayout | None" = None,  # bool (Q, C+Q) / (N, 1, Q, C+Q), or a BlockLayout
         cache: DrafterCache | None = None,
     ) -> torch.Tensor:
         """Hidden states for every block slot, after the final norm: (N, Q, H)."""

@@ -143,3 +143,20 @@ def test_exported_drafter_loads_back_through_the_engine_with_identical_logits(ti
         b = loaded(noise, torch.arange(20, 28), ctx, torch.arange(20))
     assert torch.equal(a, b)
     assert (out / "README.md").read_text().count("DFlash drafter") >= 1
+
+
+def test_blockwise_training_attention_equals_the_dense_mask():
+    """The fast training path computes exactly what the dense mask specifies."""
+    from conftest import tiny_drafter
+    from dflash_core.drafter import BlockLayout
+
+    model = tiny_target("llama")
+    drafter = tiny_drafter(model, layers=2, block_size=8)
+    gen = torch.Generator().manual_seed(0)
+    seqs = [(torch.randint(4, 96, (n,), generator=gen), torch.randn(n, 128, generator=gen), 5) for n in (30, 41)]
+    batch = make_batch(seqs, 4, 8, mask_token_id=3, generator=gen)
+    noise = model.model.embed_tokens(batch.block_ids)
+    with torch.no_grad():
+        dense = drafter(noise, batch.block_pos, batch.context, batch.context_pos, mask=batch.mask())
+        fast = drafter(noise, batch.block_pos, batch.context, batch.context_pos, mask=BlockLayout(batch.anchors, 8))
+    assert torch.allclose(dense, fast, atol=1e-5)

@@ -100,7 +100,7 @@ def build_feature_cache(
     feat_mm = np.lib.format.open_memmap(out / "features.npy", mode="w+", dtype=np.int16, shape=(total, width))
     records = []
     offset = 0
-    with tqdm(total=total, unit="tok", desc="target features", file=sys.stderr, dynamic_ncols=True) as bar:
+    with tqdm(total=total, unit="tok", desc="target features", file=sys.stderr, dynamic_ncols=True, mininterval=5.0) as bar:
         for sample, length in zip(kept, lengths):
             ids = torch.tensor(sample.ids[:length], dtype=torch.long)
             runner.reset(length)

@@ -34,13 +34,21 @@ class Batch:
     block_pos: torch.Tensor  # (S, A*B) absolute positions
     context: torch.Tensor  # (S, T, F) target features (bf16), padded
     context_pos: torch.Tensor  # (S, T)
-    mask: torch.Tensor  # (S, 1, A*B, T + A*B) bool, True = may attend
+    anchors: torch.Tensor  # (S, A) anchor positions: the attention layout (see training_mask)
     labels: torch.Tensor  # (S, A, B-1) token ids or IGNORE
     label_pos: torch.Tensor  # (S, A, B-1) index into the sequence of each label (clamped)
 
     @property
     def num_blocks(self) -> int:
         return self.labels.shape[0] * self.labels.shape[1]
+
+    @property
+    def block_size(self) -> int:
+        return self.labels.shape[2] + 1
+
+    def mask(self) -> torch.Tensor:
+        """The dense boolean mask (S, 1, A*B, T + A*B) of this batch's layout."""
+        return training_mask(self.anchors, self.context.shape[1], self.block_size)
 
 
 def sample_anchors(length: int, response_start: int, count: int, generator: torch.Generator) -> torch.Tensor:
@@ -119,7 +127,7 @@ def make_batch(
         block_pos=block_pos,
         context=context,
         context_pos=torch.arange(t)[None].expand(s, t),
-        mask=training_mask(anchors, t, b),
+        anchors=anchors,
         labels=labels,
         label_pos=label_pos,
     )

@@ -95,7 +95,7 @@ def generate_responses(
     new_tokens = 0
     answered = len(done)
     bar = tqdm(total=token_budget, initial=min(produced, token_budget or produced), unit="tok",
-               desc="self-distillation", file=sys.stderr, dynamic_ncols=True)
+               desc="self-distillation", file=sys.stderr, dynamic_ncols=True, mininterval=5.0)
     with open(shard, "a", encoding="utf-8") as fh:
         for batch in _batches(todo, batch_size):
             if token_budget is not None and produced >= token_budget:

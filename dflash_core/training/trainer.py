@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from ..drafter import DFlashDrafter, DrafterConfig, init_drafter_weights
+from ..drafter import BlockLayout, DFlashDrafter, DrafterConfig, init_drafter_weights
 from .features import FeatureStore
 from .objective import Batch, compute_loss, make_batch, slot_weights
 
@@ -44,7 +44,9 @@ class TrainSettings:
     weight_decay: float = 0.01
     clip_norm: float = 1.0
     gamma: float = 7.0  # slot decay for B=16 (recipe: 7; 5 for B=10; 4 for B=8)
-    sub_vocab: int = 8192  # frequency-ranked head rows used by the CE/KL losses
+    sub_vocab: int = 4096  # most frequent response tokens: always in the softmax of the CE/KL losses
+    negatives: int = 4096  # + this many random vocabulary rows per step (+ every label of the step),
+    # so that tokens never seen as labels are still pushed down: the drafter runs with the full head
     ce_weight: float = 1.0
     kl_weight: float = 0.0
     reg_weight: float = 0.0
@@ -136,12 +138,8 @@ class Trainer:
         self.eps = float(drafter_config.qwen3.rms_norm_eps)
         self.embed = embed_weight.to(self.device, torch.bfloat16)
         self.train_idx, self.valid_idx = split_validation(store, settings.validation_percent)
-        vocab = torch.as_tensor(frequent_tokens(store, self.train_idx, settings.sub_vocab, head_weight.shape[0]))
-        self.sub_ids = vocab
-        self.to_sub = torch.full((head_weight.shape[0],), -1, dtype=torch.long)
-        self.to_sub[vocab] = torch.arange(vocab.shape[0])
-        self.to_sub = self.to_sub.to(self.device)
-        self.head_sub = head_weight[vocab].to(self.device, torch.bfloat16)
+        self.vocab_size = int(head_weight.shape[0])
+        self.frequent = frequent_tokens(store, self.train_idx, settings.sub_vocab, self.vocab_size)
         self.head_full = head_weight.to(self.device, torch.bfloat16)
         self.weights = slot_weights(settings.block_size, settings.gamma).to(self.device)
         self.column_ids = list(settings.target_layer_ids)
@@ -234,11 +232,22 @@ class Trainer:
             final = (x * self.final_norm_weight.cpu()).to(torch.bfloat16)
         return batch, final
 
+    def _candidates(self, batch: Batch, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """The vocabulary rows this step's softmax runs over: the frequent tokens, every label of
+        the step, and random negatives (a sampled softmax; see ``TrainSettings.negatives``)."""
+        labels = batch.labels[batch.labels >= 0].unique()
+        negatives = torch.randint(self.vocab_size, (self.settings.negatives,), generator=generator)
+        candidates = torch.unique(torch.cat((self.frequent, labels, negatives)))
+        to_sub = torch.full((self.vocab_size,), -1, dtype=torch.long)
+        to_sub[candidates] = torch.arange(candidates.shape[0])
+        return self.head_full[candidates.to(self.device)], to_sub.to(self.device)
+
     def _forward(self, batch: Batch) -> torch.Tensor:
         noise = F.embedding(batch.block_ids.to(self.device), self.embed)
         return self.drafter(
             noise, batch.block_pos.to(self.device), batch.context.to(self.device),
-            batch.context_pos.to(self.device), mask=batch.mask.to(self.device),
+            batch.context_pos.to(self.device),
+            mask=BlockLayout(batch.anchors.to(self.device), self.settings.block_size),
         )
 
     # ---------------------------------------------------------------------------------- steps
@@ -248,11 +257,12 @@ class Trainer:
             group["lr"] = cosine_lr(self.step, st)
         gen = torch.Generator().manual_seed(st.seed * 7919 + self.step)
         batch, final = self._batch(self._sequences_for_step(self.step), gen)
+        head_rows, to_sub = self._candidates(batch, gen)
         self.drafter.train()
         with torch.autocast(device_type=self.device.type, dtype=torch.bfloat16):
             hidden = self._forward(batch)
             parts = compute_loss(
-                hidden, batch, self.head_sub, self.to_sub, self.weights,
+                hidden, batch, head_rows, to_sub, self.weights,
                 None if final is None else final.to(self.device),
                 st.ce_weight, st.kl_weight, st.reg_weight,
             )
@@ -262,7 +272,7 @@ class Trainer:
         self.optimizer.step()
         self.step += 1
         acc = (parts.slot_correct / parts.slot_count.clamp_min(1)).tolist()
-        return {"loss": float(parts.total), "ce": parts.ce, "kl": parts.kl, "reg": parts.reg,
+        return {"loss": float(parts.total.detach()), "ce": parts.ce, "kl": parts.kl, "reg": parts.reg,
                 "grad_norm": float(grad_norm), "acc1": acc[0], "acc_mean": sum(acc) / len(acc),
                 "lr": self.optimizer.param_groups[0]["lr"]}
 
@@ -298,7 +308,7 @@ class Trainer:
         st = self.settings
         last_eval: dict[str, Any] = {}
         bar = tqdm(total=st.steps, initial=self.step, desc="train drafter", file=sys.stderr,
-                   dynamic_ncols=True, disable=not progress or not self.accelerator.is_main_process)
+                   dynamic_ncols=True, mininterval=5.0, disable=not progress or not self.accelerator.is_main_process)
         started = time.time() - self.elapsed
         while self.step < st.steps:
             metrics = self.train_step()
