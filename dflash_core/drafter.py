@@ -161,6 +161,7 @@ class DrafterConfig:
         block_size: int = 16,
         target_layer_ids: list[int] | None = None,
         intermediate_size: int | None = None,
+        attention_bias: bool = False,
     ) -> "DrafterConfig":
         """A drafter shaped like ``target_config`` (hidden size, heads, RoPE, vocabulary)."""
         text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
@@ -180,7 +181,7 @@ class DrafterConfig:
             max_position_embeddings=int(getattr(text, "max_position_embeddings", 4096)),
             rope_parameters=rope,
             tie_word_embeddings=False,
-            attention_bias=False,
+            attention_bias=attention_bias,
         )
         return cls(
             qwen3=qwen3,

@@ -193,8 +193,7 @@ class _Layer:
     ln1: torch.Tensor
     wqkv: torch.Tensor
     bqkv: torch.Tensor | None
-    q_norm: torch.Tensor | None
-    k_norm: torch.Tensor | None
+    qk_norm: torch.Tensor | None  # (q_heads + kv_heads, D): Qwen3's q_norm / k_norm, stacked
     wo: torch.Tensor
     ln2: torch.Tensor
     wgu: torch.Tensor
@@ -246,12 +245,16 @@ class FastTarget:
             bqkv = torch.cat([p.bias.detach() for p in (att.q_proj, att.k_proj, att.v_proj)], dim=0)
         q_norm = getattr(att, "q_norm", None)
         k_norm = getattr(att, "k_norm", None)
+        qk_norm = None
+        if q_norm is not None:
+            heads = att.q_proj.weight.shape[0] // q_norm.weight.shape[0]
+            kv_heads = att.k_proj.weight.shape[0] // k_norm.weight.shape[0]
+            qk_norm = torch.cat((q_norm.weight.detach().expand(heads, -1), k_norm.weight.detach().expand(kv_heads, -1)))
         return _Layer(
             ln1=layer.input_layernorm.weight.detach(),
             wqkv=wqkv,
             bqkv=bqkv,
-            q_norm=q_norm.weight.detach() if q_norm is not None else None,
-            k_norm=k_norm.weight.detach() if k_norm is not None else None,
+            qk_norm=qk_norm,
             wo=att.o_proj.weight.detach(),
             ln2=layer.post_attention_layernorm.weight.detach(),
             wgu=_fuse_linears((mlp.gate_proj, mlp.up_proj)),
@@ -276,7 +279,15 @@ class FastTarget:
             self._v = torch.zeros(shape, dtype=self.dtype, device=self.device)
             positions = torch.arange(capacity, device=self.device)[None]
             cos, sin = self.rotary(self.embed_weight[:1][None], positions)
-            self._cos, self._sin = cos[0], sin[0]  # (capacity, D)
+            cos, sin = cos[0], sin[0]  # (capacity, D)
+            half = self.head_dim // 2
+            # rotate_half(x) * sin == roll(x, D/2) * (sin with its first half negated); and the
+            # attention scale is folded into the queries' tables: one rotation for q and k.
+            sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+            scale = torch.ones(self.num_heads + self.num_kv_heads, 1, dtype=cos.dtype, device=self.device)
+            scale[: self.num_heads] = self.scale
+            self._cos = cos[:, None, :] * scale  # (capacity, heads + kv_heads, D)
+            self._sin = sin[:, None, :] * scale
             self._capacity = capacity
         self._length = 0
 
@@ -295,11 +306,8 @@ class FastTarget:
         y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
         return weight * y.to(x.dtype)
 
-    @staticmethod
-    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return x * cos + x.roll(self.head_dim // 2, dims=-1) * sin
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, layer_ids: Sequence[int] | None, last_only: bool = False) -> TargetOutput:
@@ -325,8 +333,8 @@ class FastTarget:
         group = h // kv
         cap = self._capacity
         rows = torch.arange(start, start + t, device=self.device).clamp_max(end - 1)
-        cos = self._cos[rows][:, None, :]  # (T, 1, D)
-        sin = self._sin[rows][:, None, :]
+        cos = self._cos[rows]  # (T, heads + kv_heads, D)
+        sin = self._sin[rows]
         # Causal mask over the whole cache: query at absolute position p sees keys 0..p. Every
         # query row has the same length whatever T is -> identical arithmetic per position.
         visible = torch.arange(cap, device=self.device)[None, :] <= rows[:, None]
@@ -337,22 +345,18 @@ class FastTarget:
         x = F.embedding(ids, self.embed_weight)  # (T, H)
         for li, layer in enumerate(self.layers):
             a = self._norm(x, layer.ln1)
-            qkv = F.linear(a, layer.wqkv, layer.bqkv)
-            q, k, v = qkv.split((h * d, kv * d, kv * d), dim=-1)
-            q = q.view(t, h, d)
-            k = k.view(t, kv, d)
-            if layer.q_norm is not None:
-                q = self._norm(q, layer.q_norm)
-                k = self._norm(k, layer.k_norm)
-            q = self._rope(q, cos, sin)
-            k = self._rope(k, cos, sin)
-            self._k[li, :, start:end] = k[:real].transpose(0, 1)
-            self._v[li, :, start:end] = v.view(t, kv, d)[:real].transpose(0, 1)
+            qkv = F.linear(a, layer.wqkv, layer.bqkv).unflatten(-1, (h + 2 * kv, d))  # (T, h+2kv, d)
+            qk = qkv[:, : h + kv]
+            if layer.qk_norm is not None:
+                qk = self._norm(qk, layer.qk_norm)
+            qk = self._rope(qk, cos, sin)  # queries come out already scaled by 1/sqrt(d)
+            self._k[li, :, start:end] = qk[:real, h:].transpose(0, 1)
+            self._v[li, :, start:end] = qkv[:real, h + kv :].transpose(0, 1)
             # (kv, group*T, d): the query heads that share a KV head, stacked.
-            qg = (q * self.scale).view(t, kv, group, d).permute(1, 2, 0, 3).reshape(kv, group * t, d)
-            scores = torch.matmul(qg, self._k[li].transpose(1, 2)).float()  # (kv, group*T, cap)
+            qg = qk[:, :h].reshape(t, kv, group, d).permute(1, 2, 0, 3).reshape(kv, group * t, d)
+            scores = torch.matmul(qg, self._k[li].transpose(1, 2))  # (kv, group*T, cap)
             scores = scores.view(kv, group, t, cap).masked_fill(hidden_mask, float("-inf"))
-            probs = torch.softmax(scores, dim=-1).to(self.dtype).view(kv, group * t, cap)
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(self.dtype).view(kv, group * t, cap)
             att = torch.matmul(probs, self._v[li])  # (kv, group*T, d)
             att = att.view(kv, group, t, d).permute(2, 0, 1, 3).reshape(t, h * d)
             x = x + F.linear(att, layer.wo)

@@ -160,3 +160,21 @@ def test_blockwise_training_attention_equals_the_dense_mask():
         dense = drafter(noise, batch.block_pos, batch.context, batch.context_pos, mask=batch.mask())
         fast = drafter(noise, batch.block_pos, batch.context, batch.context_pos, mask=BlockLayout(batch.anchors, 8))
     assert torch.allclose(dense, fast, atol=1e-5)
+
+
+def test_block_size_curriculum_keeps_the_cost_per_step_constant():
+    from dflash_core.training.trainer import block_phase
+
+    st = TrainSettings(steps=100, block_size=16, anchors_per_sequence=32, block_schedule="4:0.5,8:0.2,16:0.3", gamma=7.0)
+    assert block_phase(0, st) == (4, 128, 1.75)
+    assert block_phase(49, st)[0] == 4
+    assert block_phase(50, st)[:2] == (8, 64)
+    assert block_phase(70, st)[:2] == (16, 32)
+    assert block_phase(99, st) == (16, 32, 7.0)
+    assert block_phase(5, TrainSettings(steps=10, block_size=16, anchors_per_sequence=32)) == (16, 32, 7.0)
+
+
+def test_training_with_a_curriculum_runs_and_learns(tiny_setup, tmp_path):
+    trainer = make_trainer(tiny_setup, tmp_path, steps=30, block_schedule="2:0.5,8:0.5", anchors_per_sequence=8)
+    losses = [trainer.train_step()["loss"] for _ in range(30)]
+    assert trainer.step == 30 and all(l == l for l in losses)

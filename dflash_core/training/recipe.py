@@ -130,6 +130,7 @@ def run_recipe(target: LoadedTarget, options: RecipeOptions, stages: list[str]) 
         drafter_config = DrafterConfig.for_target(
             cfg, num_layers=settings.num_layers, mask_token_id=settings.mask_token_id,
             block_size=settings.block_size, target_layer_ids=list(settings.target_layer_ids),
+            attention_bias=settings.attention_bias,
         )
         runner = target.runner
         final_norm = target.model.model.norm.weight.detach()
