@@ -151,6 +151,14 @@ class Studio:
         state["status"] = "⏹ stopped" if cancelled else "✓ done"
         yield outputs(final=True)
 
+    def model_status(self) -> tuple[str, Any]:
+        """Loading progress of the default pair, polled by a timer until the models are ready."""
+        name = self.service.registry.default
+        status = self.service.status.get(name, "starting…")
+        done = status.startswith(("ready", "failed"))
+        icon = "✅" if status.startswith("ready") else ("⚠️" if status.startswith("failed") else "⏳")
+        return f"{icon} **{name}**: {status}", gr.Timer(active=not done)
+
     def stop(self, request: gr.Request) -> str:
         self.stop_event(getattr(request, "session_hash", None) or "default").set()
         return "⏹ stopping after the current cycle…"
@@ -231,6 +239,8 @@ def build_app(service: StudioService | None = None) -> gr.Blocks:
             "model checks the block in one pass and keeps the longest prefix it agrees with, plus one token of "
             "its own. The output is exactly the target's — only the speed changes."
         )
+        model_status = gr.Markdown("⏳ loading models…", elem_id="dfs-model-status")
+        status_timer = gr.Timer(1.0)
         with gr.Tab("Live"):
             with gr.Row():
                 with gr.Column(scale=1, min_width=300):
@@ -281,6 +291,7 @@ def build_app(service: StudioService | None = None) -> gr.Blocks:
             t_formula = gr.Markdown()
             t_text = gr.HTML()
 
+        status_timer.tick(studio.model_status, None, [model_status, status_timer], queue=False, api_visibility="private")
         outputs = [status, d_text, d_counters, a_text, a_counters, speedup, log, p_accept, p_hist, p_phase, p_race]
         go_btn.click(gpu(studio.compare), [pair, prompt, block, temperature, max_new, seed, baseline], outputs,
                      concurrency_id="engine", concurrency_limit=1, api_visibility="private")

@@ -155,5 +155,18 @@ def test_real_browser_runs_a_generation_and_shows_coloured_tokens_and_plots(app_
         page.locator("#dfs-stop").click()
         page.wait_for_function("() => (document.querySelector('#dfs-status')?.innerText || '').includes('stopped')",
                                timeout=60_000)
+        # A tab closed in the middle of a run frees the engine: a new tab is served normally.
+        page.locator("#dfs-prompt textarea").fill("Tell me a very long story about mountains.")
+        page.locator("#dfs-generate").click()
+        page.wait_for_function("() => (document.querySelector('#dfs-status')?.innerText || '').includes('running')",
+                               timeout=120_000)
+        page.close()
+        fresh = browser.new_page(viewport={"width": 1400, "height": 1800})
+        fresh.goto(app_url, wait_until="load")
+        fresh.wait_for_selector("#dfs-generate", timeout=60_000)
+        fresh.locator("#dfs-prompt textarea").fill("Say hi.")
+        fresh.locator("#dfs-generate").click()
+        fresh.wait_for_function(
+            "() => (document.querySelector('#dfs-status')?.innerText || '').includes('done')", timeout=240_000)
         browser.close()
     assert shot.stat().st_size > 10_000

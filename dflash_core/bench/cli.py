@@ -48,7 +48,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from ..errors import SettingsError
     from ..evaluation import load_prompt_set
     from ..speculative import GenerationConfig
-    from .report import write_html, write_results
+    from .report import markdown_summary, write_html, write_results
     from .runner import Bench, summarize
 
     if args.threads:
@@ -78,6 +78,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     }
     write_results(args.out, settings, summary, records)
     write_html(args.out, settings, summary, records)
+    (args.out / "summary.md").write_text(markdown_summary(settings, summary), encoding="utf-8")
     print(json.dumps(summary, indent=2))
     if summary.get("lossless") is False:
         _log(f"WARNING: greedy DFlash output differed from AR on prompts {summary['mismatched_prompts']}")

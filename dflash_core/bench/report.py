@@ -87,3 +87,32 @@ def write_html(out: Path, settings: dict[str, Any], summary: dict[str, Any], rec
     path = out / "report.html"
     path.write_text(page, encoding="utf-8")
     return path
+
+
+def markdown_summary(settings: dict[str, Any], summary: dict[str, Any]) -> str:
+    """A Markdown block for docs/BENCHMARKS.md: the command, the settings, the measurements."""
+    tps = summary["tokens_per_s"]
+    lines = [
+        f"`{settings['command']}`",
+        "",
+        f"{settings['limit']} prompts from `{settings['prompts']}` (offset {settings['offset']}), pair `{settings['pair']}`, "
+        f"{settings['dtype']}, {settings['runner']}, block {settings['block_size']}, temperature {settings['temperature']}, "
+        f"{settings['max_new_tokens']} new tokens, {settings['threads']} threads, warm-up {settings['warmup']}.",
+        "",
+        "| method | tokens/s |",
+        "|---|---|",
+    ]
+    lines += [f"| {m} | {v:.2f} |" for m, v in tps.items()]
+    lines += [
+        "",
+        "| tau | speedup vs AR | vs HF generate | vs prompt lookup | AR vs HF generate | lossless | draft ms/cycle | verify ms/cycle |",
+        "|---|---|---|---|---|---|---|---|",
+        f"| {summary.get('tau')} | {summary.get('speedup_vs_ar')} | {summary.get('speedup_vs_hf_generate')} | "
+        f"{summary.get('speedup_vs_prompt_lookup')} | {summary.get('ar_vs_hf_generate')} | {summary.get('lossless')} | "
+        f"{summary.get('mean_draft_ms')} | {summary.get('mean_verify_ms')} |",
+    ]
+    extra = {k: v for k, v in summary.items() if k.startswith(("tau_", "speedup_dflash"))}
+    if extra:
+        lines += ["", "| " + " | ".join(extra) + " |", "|" + "---|" * len(extra), "| " + " | ".join(str(v) for v in extra.values()) + " |"]
+    lines += ["", f"Acceptance-length histogram (1..B): {summary.get('acceptance_histogram')}"]
+    return "\n".join(lines) + "\n"

@@ -136,6 +136,9 @@ def warm_start(drafter: DFlashDrafter, target_model: torch.nn.Module, source_lay
         h = drafter.config.hidden_size
         drafter.fc.weight.zero_()
         drafter.fc.weight[:, -h:].copy_(torch.eye(h))
+        # The first copied layer then sees the context as the target's own layer did: the
+        # deepest selected feature, normalised with that layer's input norm.
+        drafter.hidden_norm.weight.copy_(layers[source_layers[0]].input_layernorm.weight.float())
 
 
 class Trainer:
