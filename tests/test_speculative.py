@@ -176,3 +176,21 @@ def test_cancellation_ends_the_stream_within_one_cycle():
                          should_stop=should_stop))
     assert events[-1].finish_reason == "cancelled"
     assert len(events) == 4  # prefill, two cycles, the cancellation
+
+
+def test_adaptive_drafting_stays_lossless_and_verifies_fewer_slots():
+    from dflash_core.speculative import measure_verify_costs
+
+    model = tiny_target("llama", seed=6)
+    runner = FastTarget(model)
+    drafter = tiny_drafter(model)
+    costs = measure_verify_costs(runner, 16, context=32, repeats=1)
+    assert len(costs) == 16 and all(c > 0 for c in costs)
+    # Verifying is made to look expensive: an unconfident random drafter then verifies little.
+    steep = [0.001 * (1 + 10 * s) for s in range(16)]
+    for prompt in PROMPTS:
+        ar = collect(stream(runner, None, prompt, GenerationConfig(max_new_tokens=40, block_size=1).validated(16)))
+        cfg = GenerationConfig(max_new_tokens=40, block_size=16, adaptive=True).validated(16)
+        out = collect(stream(runner, drafter, prompt, cfg, verify_costs=steep))
+        assert out.token_ids == ar.token_ids
+        assert max(len(c.drafted) for c in out.cycles) < 15

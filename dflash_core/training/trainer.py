@@ -34,7 +34,7 @@ class TrainSettings:
     num_layers: int = 2  # drafting is paid every cycle on a CPU: few layers
     target_layer_ids: list[int] = field(default_factory=lambda: [1, 8, 15, 22, 27])  # spread over depth
     block_size: int = 16  # what the published drafters use and the engine verifies
-    mask_token_id: int = 7
+    mask_token_id: int = -1  # -1: the recipe picks an unused token (loading.choose_mask_token_id)
     anchors_per_sequence: int = 64  # blocks per sequence per step (recipe: up to 512)
     sequences_per_step: int = 4  # several sequences: larger matmuls, smoother gradients
     block_schedule: str = ""  # curriculum, e.g. "4:0.45,8:0.25,16:0.3" = B=4 for 45% of the steps,
@@ -156,6 +156,8 @@ class Trainer:
     ) -> None:
         from accelerate import Accelerator
 
+        if settings.mask_token_id < 0:
+            raise ValueError("TrainSettings.mask_token_id must be set (the recipe picks one for the target)")
         self.settings = settings
         self.store = store
         self.work = Path(work_dir)

@@ -1,0 +1,72 @@
+"""The CLI on the real default pair (SmolLM2-135M, bf16): greedy DFlash == greedy AR."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from dflash_core import cli
+from dflash_core.evaluation import humaneval_prompts
+from dflash_core.training.prompt_sources import read_prompts, split
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def unseen_prompts(count: int) -> list[str]:
+    """Real prompts from the held-out split of the prompt set and from HumanEval: neither was
+    written for these tests, nor trained on."""
+    _, held = split(read_prompts(ROOT / "assets" / "data" / "train_prompts.jsonl.gz"))
+    single = [p.messages[-1]["content"] for p in held if len(p.messages) == 1]
+    rng = random.Random(2026)
+    return rng.sample(single, count - 1) + [rng.choice(humaneval_prompts())]
+
+
+def run_json(capsys, *args: str) -> dict:
+    assert cli.main(list(args)) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("prompt", unseen_prompts(4))
+def test_default_pair_greedy_dflash_equals_ar(capsys, prompt):
+    dflash = run_json(capsys, "generate", "--json", "--prompt", prompt, "--max-new-tokens", "96")
+    ar = run_json(capsys, "generate", "--json", "--prompt", prompt, "--max-new-tokens", "96", "--mode", "ar")
+    assert dflash["token_ids"] == ar["token_ids"]
+    assert dflash["text"] == ar["text"]
+    assert ar["cycles"] == []
+    cycles = dflash["cycles"]
+    assert sum(len(c["committed"]) for c in cycles) + 1 == dflash["num_tokens"] <= 96
+    for c in cycles:
+        assert 0 <= c["num_accepted"] <= len(c["drafted"])
+        assert c["committed"][: c["num_accepted"]] == c["drafted"][: c["num_accepted"]][: len(c["committed"])]
+    assert dflash["finish_reason"] in ("stop", "length")
+
+
+def test_generate_json_has_the_documented_fields(capsys):
+    out = run_json(capsys, "generate", "--json", "--prompt", "Say hello.", "--max-new-tokens", "8")
+    for key in ("token_ids", "text", "finish_reason", "num_tokens", "decode_s", "cycles", "tau", "prompt_tokens"):
+        assert key in out
+    assert out["num_tokens"] == len(out["token_ids"]) <= 8
+
+
+def test_raw_prompts_skip_the_chat_template(capsys):
+    templated = run_json(capsys, "generate", "--json", "--prompt", "def add(a, b):", "--max-new-tokens", "4")
+    raw = run_json(capsys, "generate", "--json", "--prompt", "def add(a, b):", "--max-new-tokens", "4", "--raw")
+    assert raw["prompt_tokens"] < templated["prompt_tokens"]
+
+
+def test_pairs_lists_the_registry_with_availability(capsys):
+    out = run_json(capsys, "pairs", "--json")
+    names = {p["name"]: p for p in out["pairs"]}
+    assert names["smollm2-135m"]["default"] and names["smollm2-135m"]["runnable"]
+    assert not names["qwen3-8b"]["runnable"] and "CUDA" in names["qwen3-8b"]["reason"]
+
+
+def test_streaming_text_output(capsys):
+    assert cli.main(["generate", "--prompt", "Name a colour.", "--max-new-tokens", "12"]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip()
+    assert "tok/s" in err and "tau=" in err
