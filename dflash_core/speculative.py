@@ -229,8 +229,8 @@ def stream(
         size = min(block_size, config.max_new_tokens - produced) if speculative else 1
         t0 = clock.now()
         draft = torch.empty(0, dtype=torch.long, device=target.device)
+        conf = torch.empty(0, device=target.device)
         draft_probs = None
-        confidence: list[float] = []
         if size > 1:
             logits = _draft_block(drafter, target, cache, last, start, size, context, context_start)
             if sampling and config.rule == "pq":
@@ -257,15 +257,16 @@ def stream(
                 choices = None
             else:
                 accepted, bonus, choices = acceptance.match(draft, target_probs, generator)
-        # The one host transfer of the cycle.
-        packed = torch.cat((accepted.view(1), bonus.view(1), draft, choices if choices is not None else draft[:0]))
-        values = packed.tolist()
+        # One host transfer for the whole cycle (token ids are exact in float32 below 2**24).
+        k = len(draft)
+        choices = choices if choices is not None else draft[:0]
+        packed = torch.cat((accepted.view(1), bonus.view(1), draft, choices)).float()
+        values = torch.cat((packed, conf.float())).tolist()
         t2 = clock.now()
-        a, bonus_id = values[0], values[1]
-        drafted = values[2 : 2 + len(draft)]
-        target_choices = values[2 + len(draft) :]
-        if len(draft):
-            confidence = conf.float().tolist()
+        a, bonus_id = int(values[0]), int(values[1])
+        drafted = [int(v) for v in values[2 : 2 + k]]
+        target_choices = [int(v) for v in values[2 + k : 2 + k + len(choices)]]
+        confidence = values[2 + k + len(choices) :]
         new = drafted[:a] + [bonus_id]
         committed, reason = finish(new, produced)
         produced += len(committed)

@@ -52,10 +52,10 @@ class RecipeLog:
         self.path = path
         self.data: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {"stages": {}}
 
-    def record(self, stage: str, seconds: float, **extra: Any) -> None:
+    def record(self, stage: str, elapsed: float, extra: dict[str, Any] | None = None) -> None:
         entry = self.data["stages"].get(stage, {"seconds": 0.0})
-        entry["seconds"] = round(entry["seconds"] + seconds, 1)
-        entry.update(extra)
+        entry.update({k: v for k, v in (extra or {}).items() if k != "seconds"})
+        entry["seconds"] = round(entry["seconds"] + elapsed, 1)
         self.data["stages"][stage] = entry
         self.path.write_text(json.dumps(self.data, indent=2) + "\n")
 
@@ -67,7 +67,7 @@ class RecipeLog:
 def _timed(log: RecipeLog, stage: str, fn: Callable[[], dict[str, Any] | None]) -> dict[str, Any]:
     started = time.time()
     extra = fn() or {}
-    log.record(stage, time.time() - started, **{k: v for k, v in extra.items() if isinstance(v, (int, float, str, list))})
+    log.record(stage, time.time() - started, {k: v for k, v in extra.items() if isinstance(v, (int, float, str, list))})
     return extra
 
 
