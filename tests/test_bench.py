@@ -31,6 +31,13 @@ def test_bench_writes_results_and_report(tmp_path, capsys):
     assert "plotly" in (out / "report.html").read_text()
     assert "speedup vs AR" in (out / "summary.md").read_text()
 
+    # bench-report turns the run into the BENCHMARKS page, figures read from results.json
+    page = tmp_path / "BENCHMARKS.md"
+    assert cli.main(["bench-report", str(out), "--out", str(page)]) == 0
+    text = page.read_text()
+    assert f"| {summary['tau']} | {summary['tokens_per_s']['dflash']:.2f} | {summary['tokens_per_s']['ar']:.2f} |" in text
+    assert cli.main(["bench-report", str(tmp_path / "missing"), "--out", str(page)]) == 2
+
 
 def test_bench_sampling_rules_side_by_side(tmp_path):
     out = tmp_path / "bench"

@@ -98,9 +98,13 @@ def test_resuming_from_a_checkpoint_continues_the_same_run(tiny_setup, tmp_path)
         interrupted.train_step()
     interrupted.save_checkpoint()
     interrupted.train_step()  # work after the checkpoint is lost by the "crash"
+    with open(interrupted.log_file, "a") as fh:  # ... and so is its log line
+        fh.write(json.dumps({"step": 6, "loss": 99.0}) + "\n")
     resumed = make_trainer(tiny_setup, tmp_path / "b", steps=10, checkpoint_every=5)
     assert resumed.step == 5
     resumed.run(progress=False)
+    logged = [json.loads(line)["step"] for line in resumed.log_file.read_text().splitlines()]
+    assert logged == sorted(set(logged)) and 99.0 not in [json.loads(l)["loss"] for l in resumed.log_file.read_text().splitlines()]
     a = straight.unwrapped().state_dict()
     b = resumed.unwrapped().state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)

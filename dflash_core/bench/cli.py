@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import shlex
 import sys
 from pathlib import Path
@@ -48,6 +47,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from ..errors import SettingsError
     from ..evaluation import load_prompt_set
     from ..speculative import GenerationConfig
+    from ..training.export import hardware_summary
     from .report import markdown_summary, write_html, write_results
     from .runner import Bench, summarize
 
@@ -74,7 +74,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "max_new_tokens": args.max_new_tokens, "block_size": config.block_size, "temperature": config.temperature,
         "rules": list(bench.rules), "methods": list(args.methods), "warmup": args.warmup, "dtype": engine.pair.dtype,
         "runner": type(engine.target.runner).__name__, "threads": torch.get_num_threads(),
-        "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
+        "machine": hardware_summary(), "torch": torch.__version__,
     }
     write_results(args.out, settings, summary, records)
     write_html(args.out, settings, summary, records)
@@ -82,4 +82,32 @@ def cmd_bench(args: argparse.Namespace) -> int:
     print(json.dumps(summary, indent=2))
     if summary.get("lossless") is False:
         _log(f"WARNING: greedy DFlash output differed from AR on prompts {summary['mismatched_prompts']}")
+    return 0
+
+
+def add_bench_report_parser(sub: Any) -> None:
+    r = sub.add_parser("bench-report", help="write docs/BENCHMARKS.md from bench result directories")
+    r.add_argument("runs", nargs="+", type=Path, help="bench --out directories (each holds results.json), in order")
+    r.add_argument("--drafter", type=Path, help="drafter directory whose training_info.json to include")
+    r.add_argument("--out", type=Path, default=Path("docs/BENCHMARKS.md"))
+    r.set_defaults(func=cmd_bench_report)
+
+
+def cmd_bench_report(args: argparse.Namespace) -> int:
+    from ..errors import SettingsError
+    from .report import benchmarks_markdown
+
+    runs = []
+    for directory in args.runs:
+        path = directory / "results.json"
+        if not path.is_file():
+            raise SettingsError(f"{path} does not exist: run `python -m dflash_core bench --out {directory}` first")
+        runs.append(json.loads(path.read_text()))
+    info = None
+    if args.drafter is not None:
+        info_file = args.drafter / "training_info.json"
+        info = json.loads(info_file.read_text()) if info_file.is_file() else None
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(benchmarks_markdown(runs, info), encoding="utf-8")
+    print(args.out)
     return 0

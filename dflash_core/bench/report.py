@@ -116,3 +116,51 @@ def markdown_summary(settings: dict[str, Any], summary: dict[str, Any]) -> str:
         lines += ["", "| " + " | ".join(extra) + " |", "|" + "---|" * len(extra), "| " + " | ".join(str(v) for v in extra.values()) + " |"]
     lines += ["", f"Acceptance-length histogram (1..B): {summary.get('acceptance_histogram')}"]
     return "\n".join(lines) + "\n"
+
+
+def _section_title(settings: dict[str, Any]) -> str:
+    parts = [f"{settings['prompts']} ({settings['limit']} prompts)", f"block {settings['block_size']}"]
+    parts.append("greedy" if not settings["temperature"] else f"temperature {settings['temperature']}, rules {'/'.join(settings['rules'])}")
+    parts.append(f"{settings['max_new_tokens']} new tokens")
+    return ", ".join(parts)
+
+
+def benchmarks_markdown(runs: list[dict[str, Any]], drafter_info: dict[str, Any] | None = None) -> str:
+    """docs/BENCHMARKS.md from several results.json files (each: settings + summary), in order.
+
+    Nothing here is typed by hand: every figure is read from a bench run (or, for the training
+    section, from the drafter's training_info.json written by the recipe's evaluate stage).
+    """
+    lines = [
+        "# Benchmarks",
+        "",
+        "Produced by `python -m dflash_core bench-report` from the `results.json` of the bench runs",
+        "listed below (`make benchmarks` runs them all, then writes this page). Every run interleaves",
+        "the methods per prompt after a warm-up, so machine drift hits all of them alike; tokens/s",
+        "counts generated tokens over wall time including the prompt's prefill.",
+        "",
+    ]
+    if drafter_info:
+        lines += ["## The bundled drafter (training recipe's evaluate stage)", ""]
+        lines += [f"- {key}: **{value}**" for key, value in drafter_info.get("measured", {}).items()]
+        for key in ("steps", "wall_time", "hardware", "command"):
+            if drafter_info.get(key):
+                lines.append(f"- {key.replace('_', ' ')}: `{drafter_info[key]}`" if key == "command" else f"- {key.replace('_', ' ')}: {drafter_info[key]}")
+        lines.append("")
+    if runs:
+        lines += ["## Overview", "",
+                  "| run | tau | DFlash tok/s | AR tok/s | DFlash / AR | DFlash / HF generate | DFlash / prompt lookup | lossless |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for run in runs:
+            s, m = run["settings"], run["summary"]
+            tps = m["tokens_per_s"]
+            lines.append(f"| {_section_title(s)} | {m.get('tau')} | {tps.get('dflash', float('nan')):.2f} | "
+                         f"{tps.get('ar', float('nan')):.2f} | {m.get('speedup_vs_ar')} | {m.get('speedup_vs_hf_generate')} | "
+                         f"{m.get('speedup_vs_prompt_lookup')} | {m.get('lossless')} |")
+        lines.append("")
+    for run in runs:
+        s = run["settings"]
+        lines += [f"## {_section_title(s)}", "",
+                  f"Machine: {s.get('machine', '?')}.", "",
+                  markdown_summary(s, run["summary"])]
+    return "\n".join(lines).rstrip() + "\n"

@@ -225,6 +225,15 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.step = int(state["step"])
         self.elapsed = float(state.get("elapsed", 0.0))
+        self._truncate_log()
+
+    def _truncate_log(self) -> None:
+        """Drop log lines written after the checkpoint: the resumed run writes those steps again."""
+        if not (self.accelerator.is_main_process and self.log_file.is_file()):
+            return
+        kept = [line for line in self.log_file.read_text().splitlines()
+                if line.strip() and json.loads(line).get("step", 0) <= self.step]
+        self.log_file.write_text("".join(line + "\n" for line in kept))
 
     def save_checkpoint(self) -> None:
         if not self.accelerator.is_main_process:
