@@ -48,6 +48,16 @@ class StudioService:
             choices.append((label, name))
         return choices
 
+    def engines_status(self) -> dict[str, dict]:
+        """Per pair: loading status, whether its engine is generating, and what its last run did."""
+        out = {}
+        for name in self.registry.pairs:
+            engine = self._engines.get(name)
+            out[name] = {"status": self.status.get(name, "not loaded"),
+                         "busy": engine.busy if engine else False,
+                         "last_run": dict(engine.last_run) if engine and engine.last_run else None}
+        return out
+
     # -------------------------------------------------------------------------------- engines
     def preload(self, name: str | None = None) -> None:
         """Start loading a pair in a background thread (the default pair at startup)."""

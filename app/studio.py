@@ -193,6 +193,10 @@ class Studio:
         return state, step_html(state), formula_md(state), render.tokens_html(state.dflash)
 
     # ------------------------------------------------------------------------ the named API
+    def api_status(self) -> dict:
+        """Per pair: {status, busy, last_run: {run, cycles, tokens, finish_reason}} (no inputs)."""
+        return self.service.engines_status()
+
     def api_generate(self, prompt: str, max_new_tokens: int = 128, block_size: int = 16,
                      temperature: float = 0.0, pair: str = "") -> Iterator[dict]:
         """Stream one update per speculative cycle; the last update carries the full text.
@@ -249,7 +253,7 @@ def build_app(service: StudioService | None = None) -> gr.Blocks:
                     gr.Examples(EXAMPLES, inputs=prompt, label="Example prompts")
                     block = gr.Slider(1, 16, value=16, step=1, label="Block size (1 = autoregressive)")
                     temperature = gr.Slider(0.0, 2.0, value=0.0, step=0.05, label="Temperature (0 = greedy)")
-                    max_new = gr.Slider(1, limit, value=min(256, limit), step=1, label="Max new tokens")
+                    max_new = gr.Slider(1, limit, value=min(256, limit), step=1, label="Max new tokens", elem_id="dfs-max-new")
                     seed = gr.Number(value=0, precision=0, label="Seed (sampling)")
                     baseline = gr.Checkbox(value=True, label="Also run the autoregressive baseline")
                     with gr.Row():
@@ -303,6 +307,7 @@ def build_app(service: StudioService | None = None) -> gr.Blocks:
         t_prev.click(lambda s: studio.teach_move(s, -1), t_state, [t_state, t_step, t_formula, t_text],
                      api_visibility="private")
         gr.api(gpu(studio.api_generate), api_name="generate", concurrency_id="engine", concurrency_limit=1)
+        gr.api(studio.api_status, api_name="status", queue=False)
     return demo
 
 

@@ -31,6 +31,10 @@ class Engine:
         self.stop_ids = stop_token_ids(self.tokenizer, getattr(loaded.target.model, "generation_config", None))
         self.lock = threading.Lock()
         self._verify_costs: list[float] | None = None
+        # What the latest run did, kept so front ends can show (and tests can check) that a run
+        # whose consumer went away really stopped: cycles, tokens, and how it ended.
+        self.last_run: dict[str, Any] | None = None
+        self.runs = 0
 
     @classmethod
     def from_registry(
@@ -78,10 +82,27 @@ class Engine:
 
         def locked() -> Iterator[CycleEvent]:
             with self.lock:
-                costs = self.verify_costs() if config.adaptive and drafter is not None else None
-                yield from stream(self.target.runner, drafter, prompt_ids, config, self.stop_ids, should_stop, costs)
+                self.runs += 1
+                run: dict[str, Any] = {"run": self.runs, "cycles": 0, "tokens": 0, "finish_reason": None}
+                self.last_run = run
+                try:
+                    costs = self.verify_costs() if config.adaptive and drafter is not None else None
+                    for event in stream(self.target.runner, drafter, prompt_ids, config, self.stop_ids, should_stop, costs):
+                        run["cycles"] += 1
+                        run["tokens"] += len(event.committed)
+                        run["finish_reason"] = event.finish_reason
+                        yield event
+                finally:
+                    # The loop only computes a cycle when asked for the next event, so a consumer
+                    # that stops asking (a closed tab, a dropped client) stops it at once.
+                    if run["finish_reason"] is None:
+                        run["finish_reason"] = "abandoned"
 
         return locked()
+
+    @property
+    def busy(self) -> bool:
+        return self.lock.locked()
 
     def verify_costs(self) -> list[float]:
         """Measured cost of verifying 1..B tokens on this machine (for adaptive drafting);

@@ -135,3 +135,18 @@ def test_cli_refuses_obvious_mistakes_before_loading_models(capsys):
         assert cli.main(["generate", "--pair", "smollm2-135m-random", *args]) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: ") and "Loading" not in err, err
+
+
+def test_an_abandoned_stream_stops_at_once_and_frees_the_engine(smollm2_engine):
+    # A consumer that stops pulling (a closed tab, a dropped client) must not leave the engine
+    # generating or locked: the loop computes a cycle only when the next event is asked for.
+    events = smollm2_engine.stream("Write a long story about a dragon.", GenerationConfig(max_new_tokens=500))
+    for seen, _ in enumerate(events, 1):
+        if seen == 3:
+            break
+    assert smollm2_engine.busy  # suspended mid-run, still holding the engine
+    events.close()
+    assert not smollm2_engine.busy
+    assert smollm2_engine.last_run["cycles"] == 3 and smollm2_engine.last_run["finish_reason"] == "abandoned"
+    result = smollm2_engine.generate("Say yes.", GenerationConfig(max_new_tokens=3))
+    assert smollm2_engine.last_run["finish_reason"] == result.finish_reason and smollm2_engine.last_run["tokens"] == len(result.token_ids)
