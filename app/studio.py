@@ -70,7 +70,7 @@ class Studio:
         while worker.is_alive():
             worker.join(0.5)
             if worker.is_alive():
-                yield f"⏳ {self.service.status.get(pair, 'loading models…')} (the first load takes up to a minute)"
+                yield f"⋯ {self.service.status.get(pair, 'loading models…')} (the first load takes up to a minute)"
         if "error" in box:
             raise box["error"]
         yield box["engine"]
@@ -156,7 +156,7 @@ class Studio:
         name = self.service.registry.default
         status = self.service.status.get(name, "starting…")
         done = status.startswith(("ready", "failed"))
-        icon = "✅" if status.startswith("ready") else ("⚠️" if status.startswith("failed") else "⏳")
+        icon = "✓" if status.startswith("ready") else ("⚠" if status.startswith("failed") else "⋯")
         return f"{icon} **{name}**: {status}", gr.Timer(active=not done)
 
     def stop(self, request: gr.Request) -> str:
@@ -243,7 +243,7 @@ def build_app(service: StudioService | None = None) -> gr.Blocks:
             "model checks the block in one pass and keeps the longest prefix it agrees with, plus one token of "
             "its own. The output is exactly the target's — only the speed changes."
         )
-        model_status = gr.Markdown("⏳ loading models…", elem_id="dfs-model-status")
+        model_status = gr.Markdown("⋯ loading models…", elem_id="dfs-model-status")
         status_timer = gr.Timer(1.0)
         with gr.Tab("Live"):
             with gr.Row():

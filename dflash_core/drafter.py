@@ -32,6 +32,9 @@ from .errors import DrafterMismatchError, ModelLoadError
 ARCHITECTURE = "DFlashDraftModel"
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
+# Optional and ours (see DFlashDrafter.draft_vocab); JSON, so that vLLM/SGLang, which load every
+# *.safetensors file of a drafter folder, never meet an unknown tensor.
+DRAFT_VOCAB_NAME = "draft_vocab.json"
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 
 
@@ -393,6 +396,33 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(q.hidden_size, q.rms_norm_eps)
         self.norm = RMSNorm(q.hidden_size, q.rms_norm_eps)
         self.rotary = RotaryEmbedding(q)
+        # Optional draft vocabulary (sorted token ids): the drafter then scores only these rows of
+        # the LM head. On a CPU the full head is a memory-bound read of vocab x hidden weights every
+        # cycle; the tokens a drafter can usefully propose are the frequent ones. Lossless either
+        # way: the target verifies every draft. Kept out of the state dict (its own file).
+        self.draft_vocab: torch.Tensor | None = None
+        self._head_cache: tuple | None = None
+
+    def set_draft_vocab(self, token_ids: torch.Tensor | None) -> None:
+        if token_ids is not None:
+            ids = torch.as_tensor(token_ids, dtype=torch.long).flatten()
+            if ids.numel() == 0 or ids.min() < 0 or ids.max() >= self.config.vocab_size or ids.unique().numel() != ids.numel():
+                raise ModelLoadError(f"draft vocabulary must be distinct token ids in [0, {self.config.vocab_size})")
+            token_ids = ids.sort().values
+        self.draft_vocab = token_ids
+        self._head_cache = None
+
+    def draft_logits(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits over the draft vocabulary (or the whole one) and the token id of each column
+        (``None``: column i is token i)."""
+        if self.draft_vocab is None:
+            return self.logits(hidden, lm_head_weight), None
+        key = (lm_head_weight.data_ptr(), lm_head_weight.device, lm_head_weight.dtype)
+        if self._head_cache is None or self._head_cache[0] != key:
+            vocab = self.draft_vocab.to(lm_head_weight.device)
+            self._head_cache = (key, lm_head_weight.index_select(0, vocab).contiguous(), vocab)
+        _, rows, vocab = self._head_cache
+        return self.logits(hidden, rows), vocab
 
     @property
     def block_size(self) -> int:
@@ -454,6 +484,11 @@ class DFlashDrafter(nn.Module):
         (out / CONFIG_NAME).write_text(json.dumps(self.config.to_dict(), indent=2) + "\n", encoding="utf-8")
         state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
         save_file(state, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
+        vocab_file = out / DRAFT_VOCAB_NAME
+        if self.draft_vocab is not None:
+            vocab_file.write_text(json.dumps({"token_ids": self.draft_vocab.tolist()}) + "\n", encoding="utf-8")
+        elif vocab_file.exists():
+            vocab_file.unlink()
         if model_card is not None:
             (out / "README.md").write_text(model_card, encoding="utf-8")
         return out
@@ -486,6 +521,13 @@ class DFlashDrafter(nn.Module):
             if state[name].shape != tensor.shape:
                 raise ModelLoadError(f"{root}: {name} has shape {tuple(state[name].shape)}, config implies {tuple(tensor.shape)}")
         model.load_state_dict(state)
+        vocab_file = root / DRAFT_VOCAB_NAME
+        if vocab_file.is_file():
+            try:
+                ids = torch.tensor(json.loads(vocab_file.read_text(encoding="utf-8"))["token_ids"], dtype=torch.long)
+            except (ValueError, UnicodeDecodeError, KeyError, TypeError) as exc:  # JSONDecodeError is a ValueError
+                raise ModelLoadError(f"{vocab_file} is truncated or corrupted ({exc}); re-export the drafter or delete the file") from exc
+            model.set_draft_vocab(ids)
         return model.to(device=device, dtype=dtype).eval()
 
     # ------------------------------------------------------------------ compatibility with a target

@@ -146,8 +146,9 @@ def _draft_block(
     size: int,
     context: torch.Tensor,
     context_start: int,
-) -> torch.Tensor:
-    """Drafter logits for block slots 1..size-1: (size - 1, V)."""
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Drafter logits for block slots 1..size-1, (size - 1, V'), and the token id of each of the V'
+    columns (``None`` when they are the whole vocabulary in order; see ``DFlashDrafter.draft_vocab``)."""
     device = next(drafter.parameters()).device
     dtype = next(drafter.parameters()).dtype
     block = torch.full((size,), drafter.mask_token_id, dtype=torch.long, device=target.device)
@@ -156,7 +157,7 @@ def _draft_block(
     block_pos = torch.arange(start, start + size, device=device)
     ctx_pos = torch.arange(context_start, context_start + context.shape[0], device=device)
     hidden = drafter(noise, block_pos, context.to(device)[None], ctx_pos, cache=cache)[0, 1:]
-    return drafter.logits(hidden.to(device=target.device, dtype=target.lm_head_weight.dtype), target.lm_head_weight)
+    return drafter.draft_logits(hidden.to(device=target.device, dtype=target.lm_head_weight.dtype), target.lm_head_weight)
 
 
 @torch.inference_mode()
@@ -232,14 +233,19 @@ def stream(
         conf = torch.empty(0, device=target.device)
         draft_probs = None
         if size > 1:
-            logits = _draft_block(drafter, target, cache, last, start, size, context, context_start)
+            logits, columns = _draft_block(drafter, target, cache, last, start, size, context, context_start)
             if sampling and config.rule == "pq":
                 draft_probs = acceptance.warp(logits, config.temperature, config.top_p, config.top_k)
                 draft = acceptance.sample(draft_probs, generator)
                 conf = draft_probs.gather(-1, draft[:, None])[:, 0]
+                if columns is not None:  # q over the whole vocabulary (zero outside the draft vocabulary)
+                    full = draft_probs.new_zeros(draft_probs.shape[0], target.lm_head_weight.shape[0])
+                    draft_probs = full.index_copy_(1, columns, draft_probs)
             else:
                 probs = torch.softmax(logits.float(), -1)
                 conf, draft = probs.max(-1)
+            if columns is not None:
+                draft = columns[draft]
             if config.adaptive and verify_costs:
                 keep = choose_draft_length(conf, verify_costs, t1_cost=clock.now() - t0)
                 draft, conf = draft[:keep], conf[:keep]

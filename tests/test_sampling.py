@@ -88,15 +88,18 @@ def test_warp_applies_top_k_and_top_p():
     assert torch.allclose(acceptance.warp(logits, 1.0, top_p=0.7), torch.tensor([0.625, 0.375, 0, 0]), atol=1e-6)
 
 
+@pytest.mark.parametrize("draft_vocab", [None, [0, 1, 3]], ids=["full-vocab", "draft-vocab"])
 @pytest.mark.parametrize("rule", ["match", "pq"])
-def test_dflash_sampling_follows_the_targets_distribution_end_to_end(rule):
-    """Joint distribution of 3 generated tokens over a 5-token vocabulary (125 outcomes)."""
+def test_dflash_sampling_follows_the_targets_distribution_end_to_end(rule, draft_vocab):
+    """Joint distribution of 3 generated tokens over a 5-token vocabulary (125 outcomes); with a
+    draft vocabulary the drafter can never propose token 2, which the target still produces."""
     vocab, temperature = 5, 1.3
     model = tiny_target("llama", vocab=vocab, layers=2, seed=5)
     with torch.no_grad():
         model.lm_head.weight.mul_(0.15)  # soften: every outcome has some mass
     runner = FastTarget(model)
     drafter = tiny_drafter(model, layers=1, block_size=4, mask_token_id=4, seed=2)
+    drafter.set_draft_vocab(None if draft_vocab is None else torch.tensor(draft_vocab))
     prompt = [1, 3, 0, 2]
 
     # The exact distribution of 3 tokens, from the target alone.

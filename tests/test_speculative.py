@@ -7,6 +7,7 @@ import torch
 
 from conftest import tiny_drafter, tiny_target
 from dflash_core.drafter import DFlashDrafter
+from dflash_core.errors import ModelLoadError
 from dflash_core.speculative import GenerationConfig, collect, stream
 from dflash_core.target import FastTarget, HFTarget
 
@@ -194,3 +195,23 @@ def test_adaptive_drafting_stays_lossless_and_verifies_fewer_slots():
         out = collect(stream(runner, drafter, prompt, cfg, verify_costs=steep))
         assert out.token_ids == ar.token_ids
         assert max(len(c.drafted) for c in out.cycles) < 15
+
+
+def test_a_draft_vocabulary_stays_lossless_and_round_trips(tmp_path):
+    """Drafting over a subset of the vocabulary (cheaper LM head) never changes the output."""
+    model = tiny_target("llama")
+    runner = FastTarget(model)
+    drafter = tiny_drafter(model)
+    drafter.set_draft_vocab(torch.arange(0, 96, 2))  # even tokens only
+    for prompt in PROMPTS:
+        config = GenerationConfig(max_new_tokens=40, block_size=16).validated(16)
+        spec = collect(stream(runner, drafter, prompt, config))
+        ar = collect(stream(runner, None, prompt, GenerationConfig(max_new_tokens=40, block_size=1).validated(16)))
+        assert spec.token_ids == ar.token_ids
+        assert all(t % 2 == 0 for c in spec.cycles for t in c.drafted)
+    drafter.save_pretrained(tmp_path / "d")
+    loaded = DFlashDrafter.from_pretrained(tmp_path / "d", dtype=model.dtype)
+    assert torch.equal(loaded.draft_vocab, torch.arange(0, 96, 2))
+    (tmp_path / "d" / "draft_vocab.json").write_text('{"token_ids": [1, 1]}')
+    with pytest.raises(ModelLoadError, match="distinct token ids"):
+        DFlashDrafter.from_pretrained(tmp_path / "d")

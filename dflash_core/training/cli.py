@@ -42,6 +42,8 @@ def add_train_parser(sub: Any) -> None:
     t.add_argument("--gen-max-prompts", type=int, default=None)
     t.add_argument("--feature-layers", type=_int_list, default=None, help="target layers to cache (default: those trained on)")
     t.add_argument("--eval-prompts", type=int, default=40)
+    t.add_argument("--draft-vocab", type=int, default=8192,
+                   help="the exported drafter proposes only the N most frequent response tokens, a cheaper LM head (0 = all)")
     for f in dataclasses.fields(TrainSettings):
         flag = "--" + f.name.replace("_", "-")
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
@@ -82,7 +84,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         gen_batch_size=args.gen_batch_size, gen_max_new_tokens=args.gen_max_new_tokens,
         gen_time_budget_s=args.gen_minutes * 60 if args.gen_minutes else None,
         gen_token_budget=args.gen_tokens, gen_max_prompts=args.gen_max_prompts,
-        feature_layers=args.feature_layers, eval_prompts=args.eval_prompts,
+        feature_layers=args.feature_layers, eval_prompts=args.eval_prompts, draft_vocab=args.draft_vocab,
         command="python -m dflash_core " + " ".join(shlex.quote(a) for a in sys.argv[1:]), settings=settings,
     )
     result = run_recipe(target, options, stages)

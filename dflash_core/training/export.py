@@ -48,6 +48,7 @@ def model_card(drafter: DFlashDrafter, info: dict[str, Any]) -> str:
         f"| target layers used | {cfg.target_layer_ids} |",
         f"| block size | {cfg.block_size} |",
         f"| mask token id | {cfg.mask_token_id} |",
+        f"| draft vocabulary | {info.get('draft_vocabulary', 'the whole vocabulary')} |",
         f"| training data | {info.get('data', '?')} |",
         f"| training steps | {info.get('steps', '?')} |",
         f"| wall time | {info.get('wall_time', '?')} |",

@@ -21,7 +21,7 @@ from .export import export_drafter, hardware_summary
 from .features import FeatureStore, build_feature_cache
 from .prompt_sources import build_prompt_set, read_prompts, split, summarize, write_prompts
 from .selfdistill import generate_responses, read_samples
-from .trainer import Trainer, TrainSettings
+from .trainer import Trainer, TrainSettings, frequent_tokens
 
 STAGES = ("prompts", "generate", "features", "fit", "export", "evaluate")
 
@@ -43,6 +43,7 @@ class RecipeOptions:
     feature_layers: list[int] | None = None  # default: the drafter's layers (+ the last layer for kl/reg)
     eval_prompts: int = 40
     eval_max_new_tokens: int = 256
+    draft_vocab: int = 8192  # most frequent response tokens the exported drafter proposes from (0 = all)
     command: str = ""
     settings: TrainSettings = field(default_factory=TrainSettings)
 
@@ -156,7 +157,12 @@ def run_recipe(target: LoadedTarget, options: RecipeOptions, stages: list[str]) 
                 "settings": settings.to_json(),
                 "command": options.command,
             }
-            export_drafter(copy.deepcopy(trainer.unwrapped()), options.out_dir, info)
+            drafter = copy.deepcopy(trainer.unwrapped())
+            if options.draft_vocab:
+                ids = frequent_tokens(trainer.store, trainer.train_idx, options.draft_vocab, trainer.vocab_size)
+                drafter.set_draft_vocab(ids)
+                info["draft_vocabulary"] = f"{ids.numel()} most frequent response tokens (draft_vocab.json)"
+            export_drafter(drafter, options.out_dir, info)
             _log(f"export: {options.out_dir}")
             return {}
         _timed(log, "export", do_export)
