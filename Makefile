@@ -59,7 +59,7 @@ benchmarks: bench
 	$(BENCH) --prompts humaneval --limit 10 --block-size 16 --temperature 1.0 --rules match,pq --methods dflash,ar --out runs/bench/humaneval-t1.0
 	$(PY) -m dflash_core bench-report runs/bench/humaneval-b16 runs/bench/heldout-b16 runs/bench/humaneval-b8 \
 	  runs/bench/humaneval-t0.7 runs/bench/humaneval-t1.0 \
-	  --drafter assets/drafters/smollm2-135m-dflash --out docs/BENCHMARKS.md
+	  --drafter assets/drafters/smollm2-135m-dflash --notes docs/benchmark-notes.md --out docs/BENCHMARKS.md
 
 train-bundled: setup
 	$(PY) -m dflash_core train $(TRAIN_ARGS)

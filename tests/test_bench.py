@@ -35,7 +35,7 @@ def test_bench_writes_results_and_report(tmp_path, capsys):
     page = tmp_path / "BENCHMARKS.md"
     assert cli.main(["bench-report", str(out), "--out", str(page)]) == 0
     text = page.read_text()
-    assert f"| {summary['tau']} | {summary['tokens_per_s']['dflash']:.2f} | {summary['tokens_per_s']['ar']:.2f} |" in text
+    assert f"| {summary['tau']:.2f} | {summary['tokens_per_s']['ar']:.2f} | {summary['tokens_per_s']['dflash']:.2f} |" in text
     assert cli.main(["bench-report", str(tmp_path / "missing"), "--out", str(page)]) == 2
 
 

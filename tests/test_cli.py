@@ -43,6 +43,8 @@ def test_default_pair_greedy_dflash_equals_ar(capsys, prompt):
         assert 0 <= c["num_accepted"] <= len(c["drafted"])
         assert c["committed"][: c["num_accepted"]] == c["drafted"][: c["num_accepted"]][: len(c["committed"])]
     assert dflash["finish_reason"] in ("stop", "length")
+    adaptive = run_json(capsys, "generate", "--json", "--prompt", prompt, "--max-new-tokens", "96", "--adaptive")
+    assert adaptive["token_ids"] == ar["token_ids"]
 
 
 def test_generate_json_has_the_documented_fields(capsys):

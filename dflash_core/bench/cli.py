@@ -89,6 +89,7 @@ def add_bench_report_parser(sub: Any) -> None:
     r = sub.add_parser("bench-report", help="write docs/BENCHMARKS.md from bench result directories")
     r.add_argument("runs", nargs="+", type=Path, help="bench --out directories (each holds results.json), in order")
     r.add_argument("--drafter", type=Path, help="drafter directory whose training_info.json to include")
+    r.add_argument("--notes", type=Path, help="a Markdown file of hand-written analysis, appended under 'Notes'")
     r.add_argument("--out", type=Path, default=Path("docs/BENCHMARKS.md"))
     r.set_defaults(func=cmd_bench_report)
 
@@ -108,6 +109,11 @@ def cmd_bench_report(args: argparse.Namespace) -> int:
         info_file = args.drafter / "training_info.json"
         info = json.loads(info_file.read_text()) if info_file.is_file() else None
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(benchmarks_markdown(runs, info), encoding="utf-8")
+    page = benchmarks_markdown(runs, info)
+    if args.notes is not None:
+        if not args.notes.is_file():
+            raise SettingsError(f"--notes {args.notes} does not exist")
+        page += "\n## Notes (written by hand, from the tables above)\n\n" + args.notes.read_text(encoding="utf-8")
+    args.out.write_text(page, encoding="utf-8")
     print(args.out)
     return 0

@@ -148,15 +148,25 @@ def benchmarks_markdown(runs: list[dict[str, Any]], drafter_info: dict[str, Any]
                 lines.append(f"- {key.replace('_', ' ')}: `{drafter_info[key]}`" if key == "command" else f"- {key.replace('_', ' ')}: {drafter_info[key]}")
         lines.append("")
     if runs:
+        def cell(value: Any) -> str:
+            return "–" if value is None else (f"{value:.2f}" if isinstance(value, float) else str(value))
+
         lines += ["## Overview", "",
-                  "| run | tau | DFlash tok/s | AR tok/s | DFlash / AR | DFlash / HF generate | DFlash / prompt lookup | lossless |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "DFlash verifies the whole block; *adaptive* verifies only the drafts worth their measured cost; "
+                  "*pq* samples drafts from the drafter and accepts with min(1, p/q) (the default rule at "
+                  "temperature > 0 is *match*: keep drafts while they equal the target's own samples).", "",
+                  "| run | tau | AR tok/s | DFlash tok/s | DFlash / AR | adaptive / AR | pq tau | pq / AR | "
+                  "DFlash / HF generate | DFlash / prompt lookup | AR / HF generate | lossless |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for run in runs:
             s, m = run["settings"], run["summary"]
             tps = m["tokens_per_s"]
-            lines.append(f"| {_section_title(s)} | {m.get('tau')} | {tps.get('dflash', float('nan')):.2f} | "
-                         f"{tps.get('ar', float('nan')):.2f} | {m.get('speedup_vs_ar')} | {m.get('speedup_vs_hf_generate')} | "
-                         f"{m.get('speedup_vs_prompt_lookup')} | {m.get('lossless')} |")
+            lines.append("| " + " | ".join([
+                _section_title(s), cell(m.get("tau")), cell(tps.get("ar")), cell(tps.get("dflash")),
+                cell(m.get("speedup_vs_ar")), cell(m.get("speedup_dflash_adaptive_vs_ar")), cell(m.get("tau_pq")),
+                cell(m.get("speedup_dflash_pq_vs_ar")), cell(m.get("speedup_vs_hf_generate")),
+                cell(m.get("speedup_vs_prompt_lookup")), cell(m.get("ar_vs_hf_generate")), cell(m.get("lossless")),
+            ]) + " |")
         lines.append("")
     for run in runs:
         s = run["settings"]
