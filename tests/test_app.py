@@ -165,6 +165,28 @@ def test_bad_input_is_refused_and_the_app_keeps_serving(client):
     assert client.predict("Say hi.", 4, 16, 0.0, "", api_name="/generate")["tokens"] >= 1
 
 
+def open_studio(browser, url: str):
+    page = browser.new_page(viewport={"width": 1400, "height": 1800})
+    page.goto(url, wait_until="load")
+    page.wait_for_selector("#dfs-generate", timeout=60_000)
+    return page
+
+
+def wait_for_status(page, text: str, timeout_ms: int) -> None:
+    page.wait_for_function(f"() => (document.querySelector('#dfs-status')?.innerText || '').includes({text!r})",
+                           timeout=timeout_ms)
+
+
+def generate(page, prompt: str, until: str, max_new_tokens: int | None = None) -> None:
+    """Type a prompt, press Generate, wait until the status line shows ``until``."""
+    page.locator("#dfs-prompt textarea").fill(prompt)
+    if max_new_tokens is not None:
+        page.locator("#dfs-max-new input[type=number]").fill(str(max_new_tokens))
+        page.locator("#dfs-max-new input[type=number]").press("Enter")
+    page.locator("#dfs-generate").click()
+    wait_for_status(page, until, 240_000)
+
+
 @pytest.mark.browser
 def test_real_browser_runs_a_generation_and_shows_coloured_tokens_and_plots(app_url, tmp_path):
     from playwright.sync_api import sync_playwright
@@ -177,13 +199,8 @@ def test_real_browser_runs_a_generation_and_shows_coloured_tokens_and_plots(app_
         browser = p.chromium.launch(executable_path=chromium, args=[
             "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
             "--disable-sync", "--no-first-run", "--disable-quic"])
-        page = browser.new_page(viewport={"width": 1400, "height": 1800})
-        page.goto(app_url, wait_until="load")
-        page.wait_for_selector("#dfs-generate", timeout=60_000)
-        page.locator("#dfs-prompt textarea").fill("Write a Python function that adds two numbers.")
-        page.locator("#dfs-generate").click()
-        page.wait_for_function(
-            "() => (document.querySelector('#dfs-status')?.innerText || '').includes('done')", timeout=240_000)
+        page = open_studio(browser, app_url)
+        generate(page, "Write a Python function that adds two numbers.", until="done")
         assert page.locator("#dfs-dflash .tok-target").count() >= 1
         assert page.locator("#dfs-dflash .tok").count() >= 5
         assert page.locator("#dfs-ar .tok-ar").count() >= 5
@@ -194,32 +211,17 @@ def test_real_browser_runs_a_generation_and_shows_coloured_tokens_and_plots(app_
         shot.parent.mkdir(parents=True, exist_ok=True)
         page.screenshot(path=str(shot), full_page=True)
         # Stop really stops: a long run, Stop, then the status says so.
-        page.locator("#dfs-prompt textarea").fill("Tell me a very long story about the sea.")
-        page.locator("#dfs-generate").click()
-        page.wait_for_function("() => (document.querySelector('#dfs-status')?.innerText || '').includes('running')",
-                               timeout=120_000)
+        generate(page, "Tell me a very long story about the sea.", until="running")
         page.locator("#dfs-stop").click()
-        page.wait_for_function("() => (document.querySelector('#dfs-status')?.innerText || '').includes('stopped')",
-                               timeout=60_000)
+        wait_for_status(page, "stopped", 60_000)
         # A tab closed in the middle of a run frees the engine: a new tab is served normally.
-        page.locator("#dfs-prompt textarea").fill("Tell me a very long story about mountains.")
-        page.locator("#dfs-max-new input[type=number]").fill("1500")
-        page.locator("#dfs-max-new input[type=number]").press("Enter")
-        page.locator("#dfs-generate").click()
-        page.wait_for_function("() => (document.querySelector('#dfs-status')?.innerText || '').includes('running')",
-                               timeout=120_000)
+        generate(page, "Tell me a very long story about mountains.", until="running", max_new_tokens=1500)
         page.close()
         from gradio_client import Client
 
         status = wait_until_idle(Client(app_url, verbose=False), default_pair(), timeout=60)
         assert not status["busy"] and status["last_run"]["finish_reason"] == "abandoned", status
         assert status["last_run"]["tokens"] < 1500
-        fresh = browser.new_page(viewport={"width": 1400, "height": 1800})
-        fresh.goto(app_url, wait_until="load")
-        fresh.wait_for_selector("#dfs-generate", timeout=60_000)
-        fresh.locator("#dfs-prompt textarea").fill("Say hi.")
-        fresh.locator("#dfs-generate").click()
-        fresh.wait_for_function(
-            "() => (document.querySelector('#dfs-status')?.innerText || '').includes('done')", timeout=240_000)
+        generate(open_studio(browser, app_url), "Say hi.", until="done")
         browser.close()
     assert shot.stat().st_size > 10_000
