@@ -129,6 +129,25 @@ def test_resume_with_other_settings_is_refused(tiny_setup, tmp_path):
         make_trainer(tiny_setup, tmp_path, steps=2, lr=1e-2)
 
 
+def test_export_with_a_draft_vocabulary_keeps_the_frequent_tokens_and_round_trips(tiny_setup, tmp_path):
+    from dflash_core.training.export import export_drafter
+
+    trainer = make_trainer(tiny_setup, tmp_path / "work", steps=2)
+    trainer.run(progress=False)
+    drafter = trainer.drafter_for_export(draft_vocab=10)
+    assert trainer.unwrapped().draft_vocab is None  # the trainer's own drafter is untouched
+    store = tiny_setup[2]
+    counts = torch.zeros(96, dtype=torch.long)
+    for i in trainer.train_idx:
+        ids, _, start = store.sequence(i, [1])
+        counts += torch.bincount(ids[start:], minlength=96)
+    kept = drafter.draft_vocab
+    assert kept.numel() == 10 and counts[kept].min() >= counts[[t for t in range(96) if t not in kept.tolist()]].max()
+    out = export_drafter(drafter, tmp_path / "export", {"target": "tiny", "steps": 2})
+    assert torch.equal(DFlashDrafter.from_pretrained(out).draft_vocab, kept)
+    assert trainer.drafter_for_export(draft_vocab=0).draft_vocab is None
+
+
 def test_exported_drafter_loads_back_through_the_engine_with_identical_logits(tiny_setup, tmp_path):
     from dflash_core.training.export import export_drafter
 

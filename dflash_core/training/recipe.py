@@ -7,7 +7,6 @@ exists, so an interrupted ``python -m dflash_core train ...`` picks up where it 
 
 from __future__ import annotations
 
-import copy
 import json
 import sys
 import time
@@ -21,7 +20,7 @@ from .export import export_drafter, hardware_summary
 from .features import FeatureStore, build_feature_cache
 from .prompt_sources import build_prompt_set, read_prompts, split, summarize, write_prompts
 from .selfdistill import generate_responses, read_samples
-from .trainer import Trainer, TrainSettings, frequent_tokens
+from .trainer import Trainer, TrainSettings
 
 STAGES = ("prompts", "generate", "features", "fit", "export", "evaluate")
 
@@ -157,11 +156,9 @@ def run_recipe(target: LoadedTarget, options: RecipeOptions, stages: list[str]) 
                 "settings": settings.to_json(),
                 "command": options.command,
             }
-            drafter = copy.deepcopy(trainer.unwrapped())
-            if options.draft_vocab:
-                ids = frequent_tokens(trainer.store, trainer.train_idx, options.draft_vocab, trainer.vocab_size)
-                drafter.set_draft_vocab(ids)
-                info["draft_vocabulary"] = f"{ids.numel()} most frequent response tokens (draft_vocab.json)"
+            drafter = trainer.drafter_for_export(options.draft_vocab)
+            if drafter.draft_vocab is not None:
+                info["draft_vocabulary"] = f"{drafter.draft_vocab.numel()} most frequent response tokens (draft_vocab.json)"
             export_drafter(drafter, options.out_dir, info)
             _log(f"export: {options.out_dir}")
             return {}

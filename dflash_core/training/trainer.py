@@ -9,6 +9,7 @@ are averaged; on one CPU it is a plain loop.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -375,3 +376,11 @@ class Trainer:
 
     def unwrapped(self) -> DFlashDrafter:
         return self.accelerator.unwrap_model(self.drafter)
+
+    def drafter_for_export(self, draft_vocab: int = 0) -> DFlashDrafter:
+        """A copy of the trained drafter, proposing from the ``draft_vocab`` most frequent
+        response tokens of the training data (0: the whole vocabulary)."""
+        drafter = copy.deepcopy(self.unwrapped())
+        if draft_vocab:
+            drafter.set_draft_vocab(frequent_tokens(self.store, self.train_idx, draft_vocab, self.vocab_size))
+        return drafter
