@@ -49,7 +49,8 @@ class StudioService:
         return choices
 
     def engines_status(self) -> dict[str, dict]:
-        """Per pair: loading status, whether its engine is generating, and what its last run did."""
+        """Per pair: {status (loading), busy (generating now), last_run: {run, cycles, tokens,
+        finish_reason}} (the studio's ``/status`` endpoint)."""
         out = {}
         for name in self.registry.pairs:
             engine = self._engines.get(name)

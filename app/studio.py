@@ -194,10 +194,6 @@ class Studio:
         return state, step_html(state), formula_md(state), render.tokens_html(state.dflash)
 
     # ------------------------------------------------------------------------ the named API
-    def api_status(self) -> dict:
-        """Per pair: {status, busy, last_run: {run, cycles, tokens, finish_reason}} (no inputs)."""
-        return self.service.engines_status()
-
     def api_generate(self, prompt: str, max_new_tokens: int = 128, block_size: int = 16,
                      temperature: float = 0.0, pair: str = "") -> Iterator[dict]:
         """Stream one update per speculative cycle; the last update carries the full text.
@@ -310,7 +306,7 @@ def build_app(service: StudioService | None = None) -> gr.Blocks:
         t_prev.click(lambda s: studio.teach_move(s, -1), t_state, [t_state, t_step, t_formula, t_text],
                      api_visibility="private")
         gr.api(gpu(studio.api_generate), api_name="generate", concurrency_id="engine", concurrency_limit=1)
-        gr.api(studio.api_status, api_name="status", queue=False)
+        gr.api(service.engines_status, api_name="status", queue=False)
     return demo
 
 
