@@ -84,6 +84,24 @@ def test_feature_cache_holds_the_targets_layer_outputs(tiny_setup):
     assert 3 <= start < len(ids)
 
 
+def test_more_samples_extend_the_feature_cache_as_a_fresh_build_would(tiny_setup, tmp_path, monkeypatch):
+    model, runner, full, _ = tiny_setup
+    samples = [Sample(r.id, full.ids[r.offset : r.offset + r.response_start].tolist(),
+                      full.ids[r.offset + r.response_start : r.offset + r.length].tolist(), False) for r in full.records]
+    build_feature_cache(runner, samples[:25], [1, 3], tmp_path)
+    calls = []
+    forward = runner.forward
+    monkeypatch.setattr(runner, "forward", lambda ids, *a, **k: calls.append(len(ids)) or forward(ids, *a, **k))
+    extended = build_feature_cache(runner, samples, [1, 3], tmp_path)
+    assert len(calls) == 15  # only the new samples went through the target
+    assert [r.__dict__ for r in extended.records] == [r.__dict__ for r in full.records]
+    assert (extended.ids[:] == full.ids[:]).all() and (extended.features[:] == full.features[:]).all()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["features.npy", "ids.npy", "index.json"]
+    assert build_feature_cache(runner, samples, [1, 3], tmp_path).num_tokens == full.num_tokens and len(calls) == 15
+    rebuilt = build_feature_cache(runner, samples[:10], [1, 3], tmp_path)  # samples gone: rebuilt, not extended
+    assert len(rebuilt) == 10 and len(calls) == 25
+
+
 def test_a_few_steps_lower_the_loss(tiny_setup, tmp_path):
     trainer = make_trainer(tiny_setup, tmp_path)
     losses = [trainer.train_step()["loss"] for _ in range(40)]

@@ -15,6 +15,7 @@ same definition the engine uses at inference).
 from __future__ import annotations
 
 import json
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,22 +86,42 @@ def build_feature_cache(
     out_dir: str | Path,
     max_length: int = 1024,
 ) -> FeatureStore:
-    """Run the target over every sample once and write the cache (rebuilt when incomplete)."""
+    """Run the target over every sample once and write the cache.
+
+    A complete cache for the same layers is reused, and extended when new samples were
+    generated since (only they go through the target: more data costs only the new tokens).
+    The new cache is written next to the old one and swapped in at the end, so an interruption
+    leaves the previous cache intact."""
     out = Path(out_dir)
-    if (out / INDEX).is_file():
-        store = FeatureStore(out)
-        if store.layer_ids == list(layer_ids) and len(store) == len(samples):
-            return store
-    out.mkdir(parents=True, exist_ok=True)
     kept = [s for s in samples if len(s.response_ids) >= 2]
+    old: FeatureStore | None = None
+    if (out / INDEX).is_file():
+        old = FeatureStore(out)
+        old_ids = {r.id for r in old.records}
+        if old.layer_ids != list(layer_ids) or not old_ids <= {s.id for s in kept}:
+            old = None  # other layers, or samples gone: rebuild from scratch
+        else:
+            kept = [s for s in kept if s.id not in old_ids]
+            if not kept:
+                return old
+    out.mkdir(parents=True, exist_ok=True)
     lengths = [min(len(s.ids), max_length) for s in kept]
-    total = sum(lengths)
+    # Where the old records end (an interrupted swap can leave longer files behind).
+    start = max((r.offset + r.length for r in old.records), default=0) if old is not None else 0
+    total = start + sum(lengths)
     width = len(layer_ids) * runner.hidden_size
-    ids_mm = np.lib.format.open_memmap(out / "ids.npy", mode="w+", dtype=np.int32, shape=(total,))
-    feat_mm = np.lib.format.open_memmap(out / "features.npy", mode="w+", dtype=np.int16, shape=(total, width))
+    ids_mm = np.lib.format.open_memmap(out / "ids.next.npy", mode="w+", dtype=np.int32, shape=(total,))
+    feat_mm = np.lib.format.open_memmap(out / "features.next.npy", mode="w+", dtype=np.int16, shape=(total, width))
     records = []
-    offset = 0
-    with tqdm(total=total, unit="tok", desc="target features", file=sys.stderr, dynamic_ncols=True, mininterval=5.0) as bar:
+    if old is not None:
+        records = [r.__dict__ for r in old.records]
+        ids_mm[:start] = old.ids[:start]
+        for a in range(0, start, 1 << 16):  # chunked: the old cache can exceed the free memory
+            feat_mm[a : min(start, a + (1 << 16))] = old.features[a : min(start, a + (1 << 16))]
+        del old
+    offset = start
+    with tqdm(total=total - start, unit="tok", desc="target features", file=sys.stderr, dynamic_ncols=True,
+              mininterval=5.0) as bar:
         for sample, length in zip(kept, lengths):
             ids = torch.tensor(sample.ids[:length], dtype=torch.long)
             runner.reset(length)
@@ -114,6 +135,10 @@ def build_feature_cache(
     ids_mm.flush()
     feat_mm.flush()
     del ids_mm, feat_mm
+    # The index goes last: until it is written, the old index describes a prefix of the new files.
+    os.replace(out / "features.next.npy", out / "features.npy")
+    os.replace(out / "ids.next.npy", out / "ids.npy")
     meta = {"layer_ids": list(layer_ids), "hidden_size": runner.hidden_size, "sequences": records}
-    (out / INDEX).write_text(json.dumps(meta))
+    (out / "index.next.json").write_text(json.dumps(meta))
+    os.replace(out / "index.next.json", out / INDEX)
     return FeatureStore(out)
