@@ -47,7 +47,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from ..errors import SettingsError
     from ..evaluation import load_prompt_set
     from ..speculative import GenerationConfig
-    from ..training.export import hardware_summary
+    from ..hardware import hardware_summary
     from .report import markdown_summary, write_html, write_results
     from .runner import Bench, summarize
 

@@ -3,27 +3,13 @@
 from __future__ import annotations
 
 import json
-import platform
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..drafter import DFlashDrafter, count_parameters
-
-
-def hardware_summary() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    threads = torch.get_num_threads()
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
-    return f"CPU {cpu} ({threads} threads), GPU {gpu}, torch {torch.__version__}"
+from ..hardware import hardware_summary
 
 
 def model_card(drafter: DFlashDrafter, info: dict[str, Any]) -> str:

@@ -16,7 +16,8 @@ from typing import Any, Callable
 
 from ..drafter import DrafterConfig
 from ..loading import LoadedTarget, choose_mask_token_id
-from .export import export_drafter, hardware_summary
+from ..hardware import hardware_summary
+from .export import export_drafter
 from .features import FeatureStore, build_feature_cache
 from .prompt_sources import build_prompt_set, read_prompts, split, summarize, write_prompts
 from .selfdistill import generate_responses, read_samples
