@@ -71,19 +71,26 @@ def pq(
     draft_probs: torch.Tensor,
     target_probs: torch.Tensor,
     generator: torch.Generator | None,
+    columns: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Speculative sampling with the drafter's own distribution ``draft_probs`` (k, V), from
-    which ``draft`` (k,) was sampled. -> (num_accepted, bonus)."""
+    """Speculative sampling with the drafter's own distribution ``draft_probs`` (k, V'), from
+    which ``draft`` (k,) was sampled. ``columns`` (V',) sorted: the token id of each column of
+    ``draft_probs`` when the drafter proposes from a draft vocabulary (q is zero elsewhere);
+    ``None``: the whole vocabulary in order. -> (num_accepted, bonus)."""
     k = draft.shape[0]
     p = target_probs[:k].gather(-1, draft[:, None])[:, 0]
-    q = draft_probs.gather(-1, draft[:, None])[:, 0]
+    where = draft if columns is None else torch.searchsorted(columns, draft)
+    q = draft_probs.gather(-1, where[:, None])[:, 0]
     u = torch.rand(k, generator=generator, device=draft.device) if k else p
     # u < p/q, written without a division; q > 0 because x was drawn from q.
     accepted = _prefix_length(u * q < p)
     n = int(accepted)  # the one host sync this rule needs
     if n == k:
         return accepted, sample(target_probs[k], generator)
-    residual = (target_probs[n] - draft_probs[n]).clamp_min(0)
+    if columns is None:
+        residual = (target_probs[n] - draft_probs[n]).clamp_min(0)
+    else:
+        residual = target_probs[n].index_add(0, columns, draft_probs[n], alpha=-1).clamp_min(0)
     total = residual.sum()
     # total == 0 only when p == q exactly, where rejection has probability 0; guard anyway.
     dist = residual / total if float(total) > 0 else target_probs[n]

@@ -238,9 +238,6 @@ def stream(
                 draft_probs = acceptance.warp(logits, config.temperature, config.top_p, config.top_k)
                 draft = acceptance.sample(draft_probs, generator)
                 conf = draft_probs.gather(-1, draft[:, None])[:, 0]
-                if columns is not None:  # q over the whole vocabulary (zero outside the draft vocabulary)
-                    full = draft_probs.new_zeros(draft_probs.shape[0], target.lm_head_weight.shape[0])
-                    draft_probs = full.index_copy_(1, columns, draft_probs)
             else:
                 probs = torch.softmax(logits.float(), -1)
                 conf, draft = probs.max(-1)
@@ -259,7 +256,7 @@ def stream(
         else:
             target_probs = acceptance.warp(out.logits, config.temperature, config.top_p, config.top_k)
             if draft_probs is not None:
-                accepted, bonus = acceptance.pq(draft, draft_probs, target_probs, generator)
+                accepted, bonus = acceptance.pq(draft, draft_probs, target_probs, generator, columns)
                 choices = None
             else:
                 accepted, bonus, choices = acceptance.match(draft, target_probs, generator)

@@ -40,12 +40,15 @@ def chi_square_passes(observed: dict, expected: dict, n: int) -> tuple[bool, flo
     return stat < critical, stat, critical
 
 
-@pytest.mark.parametrize("rule", ["match", "pq"])
+@pytest.mark.parametrize("rule", ["match", "pq", "pq-draft-vocab"])
 def test_acceptance_rules_keep_the_first_token_distributed_as_the_target(rule):
     gen = torch.Generator().manual_seed(0)
     vocab, k = 6, 3
     target_probs = torch.softmax(torch.randn(k + 1, vocab, generator=gen) * 1.5, -1)
     draft_probs = torch.softmax(torch.randn(k, vocab, generator=gen) * 1.5, -1)
+    columns = torch.tensor([0, 2, 3, 5])  # the drafter proposes from these tokens only (q = 0 elsewhere)
+    if rule == "pq-draft-vocab":
+        draft_probs = draft_probs[:, columns] / draft_probs[:, columns].sum(-1, keepdim=True)
     n = 30000
     counts: dict[int, int] = {}
     accepted_total = 0
@@ -53,6 +56,9 @@ def test_acceptance_rules_keep_the_first_token_distributed_as_the_target(rule):
         if rule == "pq":
             draft = acceptance.sample(draft_probs, gen)
             a, bonus = acceptance.pq(draft, draft_probs, target_probs, gen)
+        elif rule == "pq-draft-vocab":
+            draft = columns[acceptance.sample(draft_probs, gen)]
+            a, bonus = acceptance.pq(draft, draft_probs, target_probs, gen, columns)
         else:
             draft = draft_probs.argmax(-1)
             a, bonus, _ = acceptance.match(draft, target_probs, gen)
