@@ -149,8 +149,9 @@ def run_recipe(target: LoadedTarget, options: RecipeOptions, stages: list[str]) 
             tokens = stages_log.get("features", {}).get("tokens", "?")
             info = {
                 "target": target.name,
-                "data": f"{tokens} tokens of the target's own greedy answers to {stages_log.get('features', {}).get('sequences', '?')} prompts "
-                        "(journal-prompts, chatterbot-corpus, chitchat-dataset, third-party code stubs, templates)",
+                "data": f"{tokens} tokens: {stages_log.get('features', {}).get('sequences', '?')} prompts "
+                        "(journal-prompts, chatterbot-corpus, chitchat-dataset, third-party code stubs, templates) "
+                        "and the target's own greedy answers to them",
                 "steps": trainer.step,
                 "wall_time": f"{log.total_seconds / 60:.1f} min for the whole recipe so far",
                 "hardware": hardware_summary(),
