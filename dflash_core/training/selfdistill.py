@@ -12,11 +12,13 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from tqdm import tqdm
 
+from ..target import FastTarget, TargetRunner
+from .batched_decode import greedy_decode_stream
 from .prompt_sources import Prompt
 
 SHARD_GLOB = "shard-*.jsonl"
@@ -63,7 +65,51 @@ def _batches(items: list[tuple[Prompt, list[int]]], batch_size: int) -> Iterator
             yield chunk[b : b + batch_size]
 
 
-@torch.inference_mode()
+def _hf_generate_batches(
+    model: Any, todo: list[tuple[Prompt, list[int]]], batch_size: int, max_new_tokens: int, eos: int | None,
+    pad: int, stop: Callable[[], bool],
+) -> Iterator[tuple[Prompt, list[int], bool]]:
+    """transformers ``generate()`` on left-padded batches: any causal LM."""
+    device = next(model.parameters()).device
+    for batch in _batches(todo, batch_size):
+        if stop():
+            return
+        width = max(len(ids) for _, ids in batch)
+        input_ids = torch.full((len(batch), width), pad, dtype=torch.long)
+        attention = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, (_, ids) in enumerate(batch):
+            input_ids[row, width - len(ids):] = torch.tensor(ids)
+            attention[row, width - len(ids):] = 1
+        with torch.inference_mode():
+            output = model.generate(
+                input_ids=input_ids.to(device), attention_mask=attention.to(device), max_new_tokens=max_new_tokens,
+                do_sample=False, pad_token_id=pad, eos_token_id=eos,
+            )
+        for row, (prompt, _) in enumerate(batch):
+            response = output[row, width:].tolist()
+            finished = eos in response
+            if finished:
+                response = response[: response.index(eos) + 1]
+            yield prompt, response, finished
+
+
+def _continuous_batches(
+    runner: FastTarget, todo: list[tuple[Prompt, list[int]]], slots: int, max_new_tokens: int, eos: int | None,
+    max_prompt_tokens: int, stop: Callable[[], bool],
+) -> Iterator[tuple[Prompt, list[int], bool]]:
+    """Our own batched decoder (Llama family): about 2x transformers' throughput on this CPU."""
+    # Length-sorted windows, as for generate(): slots decoding together then have similar lengths,
+    # and attention reads only as far as the longest of them.
+    ordered = [item for batch in _batches(todo, slots) for item in batch]
+    by_key = {prompt.id: prompt for prompt, _ in ordered}
+    stream = greedy_decode_stream(
+        runner, ((prompt.id, ids) for prompt, ids in ordered), max_new_tokens, eos, slots=slots,
+        max_prompt_tokens=max_prompt_tokens, stop=stop,
+    )
+    for key, response, finished in stream:
+        yield by_key[key], response, finished
+
+
 def generate_responses(
     model: Any,
     tokenizer: Any,
@@ -74,8 +120,13 @@ def generate_responses(
     max_prompt_tokens: int = 640,
     token_budget: int | None = None,
     time_budget_s: float | None = None,
+    runner: TargetRunner | None = None,
 ) -> dict[str, float]:
-    """Answer ``prompts`` greedily with ``model`` into ``out_dir``; resumable; returns stats."""
+    """Answer ``prompts`` greedily with ``model`` into ``out_dir``; resumable; returns stats.
+
+    With a ``FastTarget`` runner the answers come from our continuous-batching decoder
+    (``batch_size`` slots), otherwise from transformers ``generate()`` in batches. Once a budget
+    is spent no new prompt starts; answers under way are completed and kept."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     done = {s.id: len(s.response_ids) for s in read_samples(out)}
@@ -90,42 +141,34 @@ def generate_responses(
     shard = out / f"shard-{len(list(out.glob(SHARD_GLOB))):05d}.jsonl"
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-    device = next(model.parameters()).device
     started = time.time()
     new_tokens = 0
     answered = len(done)
+    prompt_of = {p.id: ids for p, ids in todo}
+
+    def stop() -> bool:
+        return ((token_budget is not None and produced >= token_budget)
+                or (time_budget_s is not None and time.time() - started >= time_budget_s))
+
+    if isinstance(runner, FastTarget):
+        answers = _continuous_batches(runner, todo, batch_size, max_new_tokens, eos, max_prompt_tokens, stop)
+    else:
+        answers = _hf_generate_batches(model, todo, batch_size, max_new_tokens, eos, pad, stop)
     bar = tqdm(total=token_budget, initial=min(produced, token_budget or produced), unit="tok",
                desc="self-distillation", file=sys.stderr, dynamic_ncols=True, mininterval=5.0)
+    last_flush = time.time()
     with open(shard, "a", encoding="utf-8") as fh:
-        for batch in _batches(todo, batch_size):
-            if token_budget is not None and produced >= token_budget:
-                break
-            if time_budget_s is not None and time.time() - started >= time_budget_s:
-                break
-            width = max(len(ids) for _, ids in batch)
-            input_ids = torch.full((len(batch), width), pad, dtype=torch.long)
-            attention = torch.zeros((len(batch), width), dtype=torch.long)
-            for row, (_, ids) in enumerate(batch):
-                input_ids[row, width - len(ids):] = torch.tensor(ids)
-                attention[row, width - len(ids):] = 1
-            output = model.generate(
-                input_ids=input_ids.to(device), attention_mask=attention.to(device), max_new_tokens=max_new_tokens,
-                do_sample=False, pad_token_id=pad, eos_token_id=eos,
-            )
-            for row, (prompt, ids) in enumerate(batch):
-                response = output[row, width:].tolist()
-                finished = eos in response
-                if finished:
-                    response = response[: response.index(eos) + 1]
-                fh.write(json.dumps({"id": prompt.id, "prompt_ids": ids, "response_ids": response,
-                                     "finished": finished}) + "\n")
-                produced += len(response)
-                new_tokens += len(response)
-                answered += 1
-                bar.update(len(response))
-            fh.flush()
-            elapsed = time.time() - started
-            bar.set_postfix(tok_s=f"{new_tokens / max(elapsed, 1e-9):.0f}", prompts=answered)
+        for prompt, response, finished in answers:
+            fh.write(json.dumps({"id": prompt.id, "prompt_ids": prompt_of[prompt.id], "response_ids": response,
+                                 "finished": finished}) + "\n")
+            produced += len(response)
+            new_tokens += len(response)
+            answered += 1
+            bar.update(len(response))
+            if time.time() - last_flush > 5.0:  # an interruption loses at most a few seconds
+                fh.flush()
+                last_flush = time.time()
+                bar.set_postfix(tok_s=f"{new_tokens / max(time.time() - started, 1e-9):.0f}", prompts=answered)
     bar.close()
     elapsed = time.time() - started
     return {"tokens": float(produced), "new_tokens": float(new_tokens), "seconds": elapsed,

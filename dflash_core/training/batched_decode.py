@@ -1,0 +1,184 @@
+"""Greedy decoding of many prompts at once, with continuous batching (Llama-family targets).
+
+The self-distillation stage spends most of the recipe's time generating, so its throughput
+decides how much data a CPU-hour buys. transformers' batched ``generate()`` leaves most of that
+on the table here (measured on SmolLM2-135M, bf16, 2 cores, 64 rows: ~240 ms per decode step
+against ~60 ms of matrix products): its cache grows by concatenation, every KV head is repeated
+for its query heads at every step, and a batch runs until its longest answer ends, so rows whose
+answer ended early compute padding.
+
+Here every slot owns a preallocated stretch of the KV cache, query heads read their shared KV
+head in place (no repeat), and a slot whose answer ended takes the next prompt at once: the
+decode step always runs full. The weights and the math are ``FastTarget``'s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Hashable, Iterable, Iterator
+
+import torch
+import torch.nn.functional as F
+
+from ..target import FastTarget, round_capacity
+
+
+@dataclass
+class _Slot:
+    key: Hashable | None = None
+    response: list[int] = field(default_factory=list)
+
+
+class ContinuousBatchDecoder:
+    """``slots`` sequences decoded together; each slot holds at most ``capacity`` positions."""
+
+    def __init__(self, target: FastTarget, slots: int, capacity: int) -> None:
+        self.t = target
+        self.slots = slots
+        self.capacity = round_capacity(capacity)
+        shape = (target.num_layers, slots, target.num_kv_heads, self.capacity, target.head_dim)
+        # Zeros: positions beyond a slot's length are masked, and 0 * NaN would poison a row.
+        # Keys are stored transposed, (..., D, capacity): the filled part of a slot is then a
+        # strided matrix the score product reads in place (slicing the other layout and
+        # transposing it made bf16 matmul copy it first: 3x slower, measured).
+        self.k_t = torch.zeros(shape[:3] + shape[4:] + shape[3:4], dtype=target.dtype, device=target.device)
+        self.v = torch.zeros(shape, dtype=target.dtype, device=target.device)
+        self.cos, self.sin = target.rope_tables(self.capacity)
+        self.lengths = torch.zeros(slots, dtype=torch.long, device=target.device)
+
+    def _attention_inputs(self, layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        t = self.t
+        h, kv, d = t.num_heads, t.num_kv_heads, t.head_dim
+        a = t.norm(x, layer.ln1)
+        qkv = F.linear(a, layer.wqkv, layer.bqkv).unflatten(-1, (h + 2 * kv, d))
+        qk = qkv[:, : h + kv]
+        if layer.qk_norm is not None:
+            qk = t.norm(qk, layer.qk_norm)
+        qk = t.rope(qk, cos, sin)  # queries come out scaled by 1/sqrt(d)
+        return qk[:, :h], qk[:, h:], qkv[:, h + kv :]
+
+    def _finish_layer(self, layer, x: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
+        t = self.t
+        x = x + F.linear(att, layer.wo)
+        gate, up = F.linear(t.norm(x, layer.ln2), layer.wgu).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, layer.wd)
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.t.norm(x, self.t.final_norm), self.t.lm_head_weight)
+
+    @torch.inference_mode()
+    def prefill(self, slot: int, ids: torch.Tensor) -> int:
+        """Put prompt ``ids`` (P,) in ``slot`` (forgetting what it held); returns the next token."""
+        t = self.t
+        p = ids.shape[0]
+        if p + 1 > self.capacity:
+            raise ValueError(f"a prompt of {p} tokens does not fit slots of {self.capacity} positions")
+        h, d = t.num_heads, t.head_dim
+        x = t.embed(ids)
+        cos, sin = self.cos[:p], self.sin[:p]
+        for li, layer in enumerate(t.layers):
+            q, k, v = self._attention_inputs(layer, x, cos, sin)
+            self.k_t[li, slot, :, :, :p] = k.permute(1, 2, 0)
+            self.v[li, slot, :, :p] = v.transpose(0, 1)
+            att = F.scaled_dot_product_attention(
+                q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                is_causal=True, scale=1.0, enable_gqa=True,
+            )
+            x = self._finish_layer(layer, x, att[0].transpose(0, 1).reshape(p, h * d))
+        self.lengths[slot] = p
+        return int(self._logits(x[-1:]).argmax(-1))
+
+    @torch.inference_mode()
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Append one token (slots,) to every slot; returns each slot's greedy next token."""
+        t = self.t
+        h, kv, d = t.num_heads, t.num_kv_heads, t.head_dim
+        group = h // kv
+        n = self.slots
+        pos = self.lengths.clone()
+        if int(pos.max()) >= self.capacity:
+            raise ValueError(f"a slot is full ({self.capacity} positions)")
+        span = int(pos.max()) + 1  # attention reads only the filled part of the cache
+        rows = torch.arange(n, device=pos.device)
+        hidden = (torch.arange(span, device=pos.device)[None, :] > pos[:, None])[:, None, None, :]
+        x = t.embed(tokens)
+        cos, sin = self.cos[pos], self.sin[pos]
+        for li, layer in enumerate(t.layers):
+            q, k, v = self._attention_inputs(layer, x, cos, sin)
+            keys_t, values = self.k_t[li], self.v[li]
+            keys_t[rows, :, :, pos] = k
+            values[rows, :, pos] = v
+            # (slots*kv, group, d) @ (slots*kv, d, span): query heads read their KV head in place
+            # (no repeat), and only the filled part of the cache.
+            scores = torch.matmul(q.reshape(n * kv, group, d), keys_t[..., :span].reshape(n * kv, d, span))
+            scores = scores.view(n, kv, group, span).masked_fill(hidden, float("-inf"))
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(t.dtype).view(n * kv, group, span)
+            att = torch.matmul(probs, values[:, :, :span].reshape(n * kv, span, d)).reshape(n, h * d)
+            x = self._finish_layer(layer, x, att)
+        self.lengths += 1
+        return self._logits(x).float().argmax(-1)  # bf16 argmax is several times slower
+
+    def release(self, slot: int) -> None:
+        self.lengths[slot] = 0
+
+
+def greedy_decode_stream(
+    target: FastTarget,
+    prompts: Iterable[tuple[Hashable, list[int]]],
+    max_new_tokens: int,
+    eos_token_id: int | None,
+    slots: int = 64,
+    max_prompt_tokens: int = 640,
+    stop: Callable[[], bool] = lambda: False,
+) -> Iterator[tuple[Hashable, list[int], bool]]:
+    """Yield ``(key, response_ids, finished)`` as answers end (not in input order).
+
+    A response ends with ``eos_token_id`` (``finished``) or after ``max_new_tokens`` tokens.
+    Once ``stop()`` is true no new prompt starts; the answers under way are completed."""
+    if max_new_tokens < 1:
+        raise ValueError("max_new_tokens must be at least 1")
+    decoder = ContinuousBatchDecoder(target, slots, max_prompt_tokens + max_new_tokens)
+    queue = iter(prompts)
+    state = [_Slot() for _ in range(slots)]
+    last = torch.zeros(slots, dtype=torch.long, device=target.device)
+    exhausted = False
+
+    def done(slot: _Slot) -> bool:
+        return slot.response[-1] == eos_token_id or len(slot.response) >= max_new_tokens
+
+    while True:
+        # Refill free slots; a prompt whose first token already ends it is yielded at once.
+        for i, slot in enumerate(state):
+            while slot.key is None and not exhausted:
+                if stop():
+                    exhausted = True
+                    break
+                item = next(queue, None)
+                if item is None:
+                    exhausted = True
+                    break
+                key, ids = item
+                if len(ids) > max_prompt_tokens:
+                    raise ValueError(f"prompt {key!r} has {len(ids)} tokens; at most {max_prompt_tokens}")
+                first = decoder.prefill(i, torch.tensor(ids, dtype=torch.long, device=target.device))
+                slot.key, slot.response = key, [first]
+                last[i] = first
+                if done(slot):
+                    yield slot.key, slot.response, slot.response[-1] == eos_token_id
+                    state[i] = slot = _Slot()
+                    decoder.release(i)
+        active = [i for i, slot in enumerate(state) if slot.key is not None]
+        if not active:
+            return
+        nxt = decoder.step(last).tolist()
+        for i in range(slots):
+            slot = state[i]
+            if slot.key is None:
+                decoder.release(i)  # idle slots decode padding at position 0
+                continue
+            slot.response.append(nxt[i])
+            last[i] = nxt[i]
+            if done(slot):
+                yield slot.key, slot.response, slot.response[-1] == eos_token_id
+                state[i] = _Slot()
+                decoder.release(i)
