@@ -13,6 +13,7 @@ from conftest import tiny_target
 from dflash_core.target import FastTarget
 from dflash_core.training.batched_decode import ContinuousBatchDecoder, greedy_decode_stream
 from dflash_core.training.prompt_sources import Prompt
+from dflash_core.training.features import FeatureStore, build_feature_cache
 from dflash_core.training.selfdistill import generate_responses, read_samples
 
 MAX_NEW = 14
@@ -44,7 +45,7 @@ def test_every_answer_equals_greedy_decoding_of_that_prompt_alone(family):
     model = tiny_target(family, vocab=96, layers=3, seed=3)
     prompts = _prompts(11, 96)
     eos = _common_token(model, prompts)
-    answers = {key: (resp, fin) for key, resp, fin in
+    answers = {a.key: (a.response, a.finished) for a in
                greedy_decode_stream(FastTarget(model), prompts, MAX_NEW, eos, slots=3, max_prompt_tokens=48)}
     assert set(answers) == {key for key, _ in prompts}  # 11 prompts through 3 slots: slots were refilled
     ended_early = 0
@@ -63,9 +64,9 @@ def test_stop_starts_no_new_prompt_and_completes_those_under_way():
     seen: list[str] = []
     stream = greedy_decode_stream(FastTarget(model), prompts, MAX_NEW, None, slots=4, max_prompt_tokens=48,
                                   stop=lambda: bool(seen))
-    for key, response, finished in stream:
-        seen.append(key)
-        assert response == _alone(model, dict(prompts)[key], None) and not finished
+    for answer in stream:
+        seen.append(answer.key)
+        assert answer.response == _alone(model, dict(prompts)[answer.key], None) and not answer.finished
     assert sorted(seen) == sorted(key for key, _ in prompts[:4])  # the four that had started
 
 
@@ -79,30 +80,92 @@ def test_a_slot_reused_for_a_shorter_prompt_forgets_the_longer_one():
     model = tiny_target("llama", vocab=96, layers=2, seed=4)
     decoder = ContinuousBatchDecoder(FastTarget(model), slots=1, capacity=64)
     decoder.prefill(0, torch.arange(10, 40))
-    first = decoder.prefill(0, torch.tensor([7, 8, 9]))
+    first, _ = decoder.prefill(0, torch.tensor([7, 8, 9]))
     assert [first] == _alone(model, [7, 8, 9], None)[:1]
-    assert int(decoder.step(torch.tensor([first]))[0]) == _alone(model, [7, 8, 9], None)[1]
+    assert int(decoder.step(torch.tensor([first]))[0][0]) == _alone(model, [7, 8, 9], None)[1]
+
+
+class _Tokenizer:  # just what the generate stage uses: a chat template that is the raw prompt
+    eos_token_id = 2
+    pad_token_id = 0
+
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+        return [int(t) for t in messages[-1]["content"].split()]
+
+
+def _as_prompts(items):
+    return [Prompt(key, "test", [{"role": "user", "content": " ".join(map(str, ids))}]) for key, ids in items]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_features_kept_while_decoding_are_the_targets_features_of_the_whole_sequence(family):
+    model = tiny_target(family, vocab=96, layers=3, seed=8)
+    runner = FastTarget(model)
+    prompts = _prompts(7, 96, seed=9)
+    eos = _common_token(model, prompts)
+    answers = list(greedy_decode_stream(runner, prompts, MAX_NEW, eos, slots=3, max_prompt_tokens=48,
+                                        layer_ids=[0, 2]))
+    assert len(answers) == 7 and any(a.finished for a in answers)
+    for a in answers:
+        ids = dict(prompts)[a.key] + a.response
+        runner.reset(len(ids))
+        expected = runner.forward(torch.tensor(ids), [0, 2]).features
+        assert a.features.shape == expected.shape == (len(ids), 2 * 64)
+        torch.testing.assert_close(a.features, expected, atol=2e-5, rtol=1e-4)
+
+
+def test_the_features_stage_reuses_features_kept_by_the_generate_stage(tmp_path):
+    model = tiny_target("llama", vocab=96, layers=3, seed=10)
+    runner = FastTarget(model)
+    prompts = _as_prompts(_prompts(8, 96, seed=11))
+    generate_responses(model, _Tokenizer(), prompts, tmp_path / "responses", batch_size=3, max_new_tokens=MAX_NEW,
+                       runner=runner, feature_layers=[1, 2])
+    samples = read_samples(tmp_path / "responses")
+    assert all(s.features and s.features["layers"] == [1, 2] for s in samples)
+
+    class Counting:  # the runner, counting the sequences it is asked to run
+        def __init__(self, inner):
+            self.inner, self.calls = inner, 0
+            self.hidden_size = inner.hidden_size
+
+        def reset(self, capacity):
+            self.inner.reset(capacity)
+
+        def forward(self, *args, **kwargs):
+            self.calls += 1
+            return self.inner.forward(*args, **kwargs)
+
+    counting = Counting(runner)
+    kept = build_feature_cache(counting, samples, [1, 2], tmp_path / "kept", responses_dir=tmp_path / "responses")
+    assert counting.calls == 0
+    computed = build_feature_cache(counting, samples, [1, 2], tmp_path / "computed")
+    assert counting.calls == len(samples)
+    assert [r.__dict__ for r in kept.records] == [r.__dict__ for r in computed.records]
+    a = torch.from_numpy(kept.features[:].copy()).view(torch.bfloat16).float()
+    b = torch.from_numpy(computed.features[:].copy()).view(torch.bfloat16).float()
+    torch.testing.assert_close(a, b, atol=1e-2, rtol=1e-2)  # both rounded to bf16 from fp32
+
+    # Other layers than those kept, or a kept file cut short: the target computes them.
+    build_feature_cache(counting, samples, [0, 2], tmp_path / "other")
+    assert counting.calls == 2 * len(samples)
+    binary = next((tmp_path / "responses").glob("*.features.bin"))
+    binary.write_bytes(binary.read_bytes()[:-2])
+    build_feature_cache(counting, samples, [1, 2], tmp_path / "cut", responses_dir=tmp_path / "responses")
+    assert counting.calls == 2 * len(samples) + 1
+    assert FeatureStore(tmp_path / "cut").num_tokens == computed.num_tokens
 
 
 def test_generate_stage_gives_the_same_answers_on_both_paths(tmp_path):
     """The recipe's generate stage: our decoder (FastTarget runner) and transformers' batched
     generate() (any other model) write the same answers."""
-
-    class Tokenizer:  # just what the stage uses: a chat template that is the raw prompt
-        eos_token_id = 2
-        pad_token_id = 0
-
-        def apply_chat_template(self, messages, add_generation_prompt, tokenize):
-            return [int(t) for t in messages[-1]["content"].split()]
-
+    Tokenizer = _Tokenizer
     model = tiny_target("llama", vocab=96, layers=2, seed=6)
-    prompts = [Prompt(key, "test", [{"role": "user", "content": " ".join(map(str, ids))}])
-               for key, ids in _prompts(10, 96, seed=7)]
+    prompts = _as_prompts(_prompts(10, 96, seed=7))
     ours = generate_responses(model, Tokenizer(), prompts, tmp_path / "ours", batch_size=3, max_new_tokens=MAX_NEW,
                               runner=FastTarget(model))
     theirs = generate_responses(model, Tokenizer(), prompts, tmp_path / "hf", batch_size=3, max_new_tokens=MAX_NEW)
     a = {s.id: s for s in read_samples(tmp_path / "ours")}
     b = {s.id: s for s in read_samples(tmp_path / "hf")}
     assert set(a) == set(b) == {p.id for p in prompts}
-    assert all(a[k] == b[k] for k in a)
+    assert all(a[k].response_ids == b[k].response_ids and a[k].finished == b[k].finished for k in a)
     assert ours["new_tokens"] == theirs["new_tokens"] > 0

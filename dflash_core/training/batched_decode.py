@@ -15,7 +15,7 @@ decode step always runs full. The weights and the math are ``FastTarget``'s.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Hashable, Iterable, Iterator
+from typing import Callable, Hashable, Iterable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -24,16 +24,30 @@ from ..target import FastTarget, round_capacity
 
 
 @dataclass
+class Answer:
+    key: Hashable
+    response: list[int]
+    finished: bool  # ended with EOS (else cut at max_new_tokens)
+    # (prompt + response tokens, len(layer_ids) * H) when features were asked for, else None
+    features: torch.Tensor | None = None
+
+
+@dataclass
 class _Slot:
     key: Hashable | None = None
     response: list[int] = field(default_factory=list)
+    features: list[torch.Tensor] = field(default_factory=list)
+    closing: bool = False  # answer complete; one more step computes its last token's features
 
 
 class ContinuousBatchDecoder:
     """``slots`` sequences decoded together; each slot holds at most ``capacity`` positions."""
 
-    def __init__(self, target: FastTarget, slots: int, capacity: int) -> None:
+    def __init__(self, target: FastTarget, slots: int, capacity: int, layer_ids: Sequence[int] = ()) -> None:
         self.t = target
+        # Hidden states to hand back with every position (the drafter's training features): the
+        # residual stream after these layers, as ``TargetRunner.forward`` defines them.
+        self.layer_ids = list(layer_ids)
         self.slots = slots
         self.capacity = round_capacity(capacity)
         shape = (target.num_layers, slots, target.num_kv_heads, self.capacity, target.head_dim)
@@ -66,9 +80,17 @@ class ContinuousBatchDecoder:
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(self.t.norm(x, self.t.final_norm), self.t.lm_head_weight)
 
+    def _keep(self, feats: list[torch.Tensor | None], li: int, x: torch.Tensor) -> None:
+        if li in self.layer_ids:
+            feats[self.layer_ids.index(li)] = x
+
+    def _features(self, feats: list[torch.Tensor | None]) -> torch.Tensor | None:
+        return torch.cat(feats, dim=-1) if feats else None
+
     @torch.inference_mode()
-    def prefill(self, slot: int, ids: torch.Tensor) -> int:
-        """Put prompt ``ids`` (P,) in ``slot`` (forgetting what it held); returns the next token."""
+    def prefill(self, slot: int, ids: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+        """Put prompt ``ids`` (P,) in ``slot`` (forgetting what it held); returns the next token
+        and the prompt's features (P, len(layer_ids) * H), None without layer ids."""
         t = self.t
         p = ids.shape[0]
         if p + 1 > self.capacity:
@@ -76,6 +98,7 @@ class ContinuousBatchDecoder:
         h, d = t.num_heads, t.head_dim
         x = t.embed(ids)
         cos, sin = self.cos[:p], self.sin[:p]
+        feats: list[torch.Tensor | None] = [None] * len(self.layer_ids)
         for li, layer in enumerate(t.layers):
             q, k, v = self._attention_inputs(layer, x, cos, sin)
             self.k_t[li, slot, :, :, :p] = k.permute(1, 2, 0)
@@ -85,12 +108,14 @@ class ContinuousBatchDecoder:
                 is_causal=True, scale=1.0, enable_gqa=True,
             )
             x = self._finish_layer(layer, x, att[0].transpose(0, 1).reshape(p, h * d))
+            self._keep(feats, li, x)
         self.lengths[slot] = p
-        return int(self._logits(x[-1:]).argmax(-1))
+        return int(self._logits(x[-1:]).argmax(-1)), self._features(feats)
 
     @torch.inference_mode()
-    def step(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Append one token (slots,) to every slot; returns each slot's greedy next token."""
+    def step(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Append one token (slots,) to every slot; returns each slot's greedy next token and the
+        appended tokens' features (slots, len(layer_ids) * H), None without layer ids."""
         t = self.t
         h, kv, d = t.num_heads, t.num_kv_heads, t.head_dim
         group = h // kv
@@ -103,6 +128,7 @@ class ContinuousBatchDecoder:
         hidden = (torch.arange(span, device=pos.device)[None, :] > pos[:, None])[:, None, None, :]
         x = t.embed(tokens)
         cos, sin = self.cos[pos], self.sin[pos]
+        feats: list[torch.Tensor | None] = [None] * len(self.layer_ids)
         for li, layer in enumerate(t.layers):
             q, k, v = self._attention_inputs(layer, x, cos, sin)
             keys_t, values = self.k_t[li], self.v[li]
@@ -115,8 +141,9 @@ class ContinuousBatchDecoder:
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(t.dtype).view(n * kv, group, span)
             att = torch.matmul(probs, values[:, :, :span].reshape(n * kv, span, d)).reshape(n, h * d)
             x = self._finish_layer(layer, x, att)
+            self._keep(feats, li, x)
         self.lengths += 1
-        return self._logits(x).float().argmax(-1)  # bf16 argmax is several times slower
+        return self._logits(x).float().argmax(-1), self._features(feats)  # bf16 argmax: several times slower
 
     def release(self, slot: int) -> None:
         self.lengths[slot] = 0
@@ -130,21 +157,29 @@ def greedy_decode_stream(
     slots: int = 64,
     max_prompt_tokens: int = 640,
     stop: Callable[[], bool] = lambda: False,
-) -> Iterator[tuple[Hashable, list[int], bool]]:
-    """Yield ``(key, response_ids, finished)`` as answers end (not in input order).
+    layer_ids: Sequence[int] = (),
+) -> Iterator[Answer]:
+    """Yield an ``Answer`` per prompt as answers end (not in input order).
 
     A response ends with ``eos_token_id`` (``finished``) or after ``max_new_tokens`` tokens.
-    Once ``stop()`` is true no new prompt starts; the answers under way are completed."""
+    Once ``stop()`` is true no new prompt starts; the answers under way are completed. With
+    ``layer_ids``, every answer comes with the target's features at each of its positions, prompt
+    and response (the last response token takes one more step through the batch for them)."""
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be at least 1")
-    decoder = ContinuousBatchDecoder(target, slots, max_prompt_tokens + max_new_tokens)
+    decoder = ContinuousBatchDecoder(target, slots, max_prompt_tokens + max_new_tokens, layer_ids)
+    capture = bool(layer_ids)
     queue = iter(prompts)
     state = [_Slot() for _ in range(slots)]
     last = torch.zeros(slots, dtype=torch.long, device=target.device)
     exhausted = False
 
-    def done(slot: _Slot) -> bool:
+    def complete(slot: _Slot) -> bool:
         return slot.response[-1] == eos_token_id or len(slot.response) >= max_new_tokens
+
+    def answer(slot: _Slot) -> Answer:
+        features = torch.cat(slot.features) if capture else None
+        return Answer(slot.key, slot.response, slot.response[-1] == eos_token_id, features)
 
     while True:
         # Refill free slots; a prompt whose first token already ends it is yielded at once.
@@ -160,25 +195,34 @@ def greedy_decode_stream(
                 key, ids = item
                 if len(ids) > max_prompt_tokens:
                     raise ValueError(f"prompt {key!r} has {len(ids)} tokens; at most {max_prompt_tokens}")
-                first = decoder.prefill(i, torch.tensor(ids, dtype=torch.long, device=target.device))
+                first, feats = decoder.prefill(i, torch.tensor(ids, dtype=torch.long, device=target.device))
                 slot.key, slot.response = key, [first]
+                slot.features = [feats] if capture else []
                 last[i] = first
-                if done(slot):
-                    yield slot.key, slot.response, slot.response[-1] == eos_token_id
-                    state[i] = slot = _Slot()
-                    decoder.release(i)
-        active = [i for i, slot in enumerate(state) if slot.key is not None]
-        if not active:
+                if complete(slot):
+                    if capture:
+                        slot.closing = True
+                    else:
+                        yield answer(slot)
+                        state[i] = slot = _Slot()
+                        decoder.release(i)
+        if not any(slot.key is not None for slot in state):
             return
-        nxt = decoder.step(last).tolist()
+        nxt, feats = decoder.step(last)
+        nxt = nxt.tolist()
         for i in range(slots):
             slot = state[i]
             if slot.key is None:
                 decoder.release(i)  # idle slots decode padding at position 0
                 continue
-            slot.response.append(nxt[i])
-            last[i] = nxt[i]
-            if done(slot):
-                yield slot.key, slot.response, slot.response[-1] == eos_token_id
-                state[i] = _Slot()
-                decoder.release(i)
+            if capture:
+                slot.features.append(feats[i : i + 1])
+            if not slot.closing:
+                slot.response.append(nxt[i])
+                last[i] = nxt[i]
+                slot.closing = complete(slot)
+                if not (slot.closing and not capture):
+                    continue
+            yield answer(slot)
+            state[i] = _Slot()
+            decoder.release(i)

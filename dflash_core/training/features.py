@@ -79,14 +79,46 @@ class FeatureStore:
         return ids, feats, r.response_start
 
 
+class _StoredFeatures:
+    """Features the generate stage kept (``Sample.features``), read from its .features.bin files."""
+
+    def __init__(self, folder: Path | None, layer_ids: Sequence[int], width: int) -> None:
+        self.folder, self.layer_ids, self.width = folder, list(layer_ids), width
+        self.files: dict[str, np.ndarray] = {}
+        self.reused = 0
+
+    def rows(self, sample: Sample, length: int) -> np.ndarray | None:
+        info = sample.features
+        if self.folder is None or not info or info.get("layers") != self.layer_ids:
+            return None
+        name = info["file"]
+        if name not in self.files:
+            path = self.folder / name
+            complete_rows = path.stat().st_size // (2 * self.width) if path.is_file() else 0
+            if complete_rows == 0:
+                return None
+            # Whole rows only: an interrupted write can leave a partial one at the end.
+            self.files[name] = np.memmap(path, dtype=np.int16, mode="r", shape=(complete_rows, self.width))
+        start = int(info["row"])
+        block = self.files[name][start : start + length]
+        if block.shape[0] < length:
+            return None  # cut by an interruption: compute these with the target instead
+        self.reused += 1
+        return block
+
+
 def build_feature_cache(
     runner: TargetRunner,
     samples: list[Sample],
     layer_ids: Sequence[int],
     out_dir: str | Path,
     max_length: int = 1024,
+    responses_dir: str | Path | None = None,
 ) -> FeatureStore:
     """Run the target over every sample once and write the cache.
+
+    Samples whose features the generate stage already kept (for the same layers, in
+    ``responses_dir``) are copied instead: the target runs only for the others.
 
     A complete cache for the same layers is reused, and extended when new samples were
     generated since (only they go through the target: more data costs only the new tokens).
@@ -119,19 +151,23 @@ def build_feature_cache(
         for a in range(0, start, 1 << 16):  # chunked: the old cache can exceed the free memory
             feat_mm[a : min(start, a + (1 << 16))] = old.features[a : min(start, a + (1 << 16))]
         del old
+    stored = _StoredFeatures(Path(responses_dir) if responses_dir is not None else None, layer_ids, width)
     offset = start
     with tqdm(total=total - start, unit="tok", desc="target features", file=sys.stderr, dynamic_ncols=True,
               mininterval=5.0) as bar:
         for sample, length in zip(kept, lengths):
             ids = torch.tensor(sample.ids[:length], dtype=torch.long)
-            runner.reset(length)
-            out_t = runner.forward(ids, list(layer_ids), last_only=True)
-            feats = out_t.features.to(torch.bfloat16).contiguous()
+            rows = stored.rows(sample, length)
+            if rows is None:
+                runner.reset(length)
+                out_t = runner.forward(ids, list(layer_ids), last_only=True)
+                rows = out_t.features.to(torch.bfloat16).contiguous().view(torch.int16).cpu().numpy()
             ids_mm[offset : offset + length] = ids.numpy().astype(np.int32)
-            feat_mm[offset : offset + length] = feats.view(torch.int16).cpu().numpy()
+            feat_mm[offset : offset + length] = rows
             records.append(SequenceRecord(sample.id, offset, length, len(sample.prompt_ids)).__dict__)
             offset += length
             bar.update(length)
+            bar.set_postfix(kept_from_generation=stored.reused, refresh=False)
     ids_mm.flush()
     feat_mm.flush()
     del ids_mm, feat_mm

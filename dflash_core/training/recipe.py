@@ -110,7 +110,7 @@ def run_recipe(target: LoadedTarget, options: RecipeOptions, stages: list[str]) 
                 target.model, target.tokenizer, train, work / "responses",
                 batch_size=options.gen_batch_size, max_new_tokens=options.gen_max_new_tokens,
                 token_budget=options.gen_token_budget, time_budget_s=options.gen_time_budget_s,
-                runner=target.runner,
+                runner=target.runner, feature_layers=layers,
             )
             _log(f"generate: {stats}")
             return stats
@@ -121,7 +121,8 @@ def run_recipe(target: LoadedTarget, options: RecipeOptions, stages: list[str]) 
             samples = read_samples(work / "responses")
             if not samples:
                 raise ValueError(f"no responses in {work / 'responses'}: run the generate stage first")
-            store = build_feature_cache(target.runner, samples, layers, work / "features")
+            store = build_feature_cache(target.runner, samples, layers, work / "features",
+                                        responses_dir=work / "responses")
             _log(f"features: {len(store)} sequences, {store.num_tokens} tokens, layers {store.layer_ids}")
             return {"sequences": len(store), "tokens": store.num_tokens}
         _timed(log, "features", do_features)
