@@ -101,7 +101,7 @@ def _continuous_batches(
     runner: FastTarget, todo: list[tuple[Prompt, list[int]]], slots: int, max_new_tokens: int, eos: int | None,
     max_prompt_tokens: int, stop: Callable[[], bool], layer_ids: Sequence[int],
 ) -> Iterator[Answer]:
-    """Our own batched decoder (Llama family): about 1.6x transformers' throughput on this CPU."""
+    """Our own batched decoder (Llama family): faster than transformers here (docs/TRAINING.md)."""
     # Length-sorted windows, as for generate(): slots decoding together then have similar lengths,
     # and attention reads only as far as the longest of them.
     ordered = [item for batch in _batches(todo, slots) for item in batch]
