@@ -14,6 +14,7 @@ from dflash_core.registry import ModelSource, load_registry
 from dflash_core.training.features import FeatureStore
 from dflash_core.training.prompt_sources import Prompt, write_prompts
 from dflash_core.training.recipe import STAGES, RecipeOptions, run_recipe
+from dflash_core.training.selfdistill import read_samples
 from dflash_core.training.trainer import TrainSettings
 
 
@@ -50,6 +51,9 @@ def test_every_stage_runs_and_the_export_loads_back(tiny_chat_target, tmp_path):
     assert set(log["stages"]) == set(STAGES) and all(v["seconds"] >= 0 for v in log["stages"].values())
     store = FeatureStore(tmp_path / "work" / "features")
     assert log["stages"]["prompts"]["train_prompts"] == len(store) and store.layer_ids == [0, 1]
+    # A Llama-family target: answers come from the continuous-batching decoder, which kept the
+    # features the features stage then copied.
+    assert all(s.features and s.features["layers"] == [0, 1] for s in read_samples(tmp_path / "work" / "responses"))
     assert result["fit"]["steps"] == 4 and "valid_tau_proxy" in result["fit"]
     drafter = DFlashDrafter.from_pretrained(tmp_path / "drafter")
     assert drafter.config.target_layer_ids == [0, 1] and drafter.draft_vocab.numel() == 128
