@@ -313,6 +313,28 @@ class FastTarget:
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return x * cos + x.roll(self.head_dim // 2, dims=-1) * sin
 
+    # One decoder layer in two halves around attention, shared with the batched decoder of the
+    # training data (training/batched_decode.py), which attends over its own cache layout.
+    def attention_inputs(self, layer: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries (T, heads, D), already scaled by 1/sqrt(D), keys and values (T, kv_heads, D)."""
+        h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = F.linear(self.norm(x, layer.ln1), layer.wqkv, layer.bqkv).unflatten(-1, (h + 2 * kv, d))
+        qk = qkv[:, : h + kv]
+        if layer.qk_norm is not None:
+            qk = self.norm(qk, layer.qk_norm)
+        qk = self.rope(qk, cos, sin)
+        return qk[:, :h], qk[:, h:], qkv[:, h + kv :]
+
+    def finish_layer(self, layer: _Layer, x: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
+        """The residual stream after the layer, given its attention output (T, heads * D)."""
+        x = x + F.linear(attention, layer.wo)
+        gate, up = F.linear(self.norm(x, layer.ln2), layer.wgu).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, layer.wd)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.norm(x, self.final_norm), self._lm_head)
+
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, layer_ids: Sequence[int] | None, last_only: bool = False) -> TargetOutput:
         ids = input_ids.reshape(-1).to(self.device)
@@ -348,31 +370,21 @@ class FastTarget:
 
         x = F.embedding(ids, self.embed_weight)  # (T, H)
         for li, layer in enumerate(self.layers):
-            a = self.norm(x, layer.ln1)
-            qkv = F.linear(a, layer.wqkv, layer.bqkv).unflatten(-1, (h + 2 * kv, d))  # (T, h+2kv, d)
-            qk = qkv[:, : h + kv]
-            if layer.qk_norm is not None:
-                qk = self.norm(qk, layer.qk_norm)
-            qk = self.rope(qk, cos, sin)  # queries come out already scaled by 1/sqrt(d)
-            self._k[li, :, start:end] = qk[:real, h:].transpose(0, 1)
-            self._v[li, :, start:end] = qkv[:real, h + kv :].transpose(0, 1)
+            q, k, v = self.attention_inputs(layer, x, cos, sin)
+            self._k[li, :, start:end] = k[:real].transpose(0, 1)
+            self._v[li, :, start:end] = v[:real].transpose(0, 1)
             # (kv, group*T, d): the query heads that share a KV head, stacked.
-            qg = qk[:, :h].reshape(t, kv, group, d).permute(1, 2, 0, 3).reshape(kv, group * t, d)
+            qg = q.reshape(t, kv, group, d).permute(1, 2, 0, 3).reshape(kv, group * t, d)
             scores = torch.matmul(qg, self._k[li].transpose(1, 2))  # (kv, group*T, cap)
             scores = scores.view(kv, group, t, cap).masked_fill(hidden_mask, float("-inf"))
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(self.dtype).view(kv, group * t, cap)
             att = torch.matmul(probs, self._v[li])  # (kv, group*T, d)
-            att = att.view(kv, group, t, d).permute(2, 0, 1, 3).reshape(t, h * d)
-            x = x + F.linear(att, layer.wo)
-            m = self.norm(x, layer.ln2)
-            gate, up = F.linear(m, layer.wgu).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer.wd)
+            x = self.finish_layer(layer, x, att.view(kv, group, t, d).permute(2, 0, 1, 3).reshape(t, h * d))
             if li in wanted:
                 feats[wanted[li]] = x[:real]
         self._length = end
         x = x[:real]
-        final = self.norm(x[-1:] if last_only else x, self.final_norm)
-        logits = F.linear(final, self._lm_head)
+        logits = self.logits(x[-1:] if last_only else x)
         features = torch.cat(feats, dim=-1) if feats else None
         return TargetOutput(logits, features)
 

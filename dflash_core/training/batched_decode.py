@@ -60,26 +60,6 @@ class ContinuousBatchDecoder:
         self.cos, self.sin = target.rope_tables(self.capacity)
         self.lengths = torch.zeros(slots, dtype=torch.long, device=target.device)
 
-    def _attention_inputs(self, layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        t = self.t
-        h, kv, d = t.num_heads, t.num_kv_heads, t.head_dim
-        a = t.norm(x, layer.ln1)
-        qkv = F.linear(a, layer.wqkv, layer.bqkv).unflatten(-1, (h + 2 * kv, d))
-        qk = qkv[:, : h + kv]
-        if layer.qk_norm is not None:
-            qk = t.norm(qk, layer.qk_norm)
-        qk = t.rope(qk, cos, sin)  # queries come out scaled by 1/sqrt(d)
-        return qk[:, :h], qk[:, h:], qkv[:, h + kv :]
-
-    def _finish_layer(self, layer, x: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
-        t = self.t
-        x = x + F.linear(att, layer.wo)
-        gate, up = F.linear(t.norm(x, layer.ln2), layer.wgu).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, layer.wd)
-
-    def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.t.norm(x, self.t.final_norm), self.t.lm_head_weight)
-
     def _keep(self, feats: list[torch.Tensor | None], li: int, x: torch.Tensor) -> None:
         if li in self.layer_ids:
             feats[self.layer_ids.index(li)] = x
@@ -100,17 +80,17 @@ class ContinuousBatchDecoder:
         cos, sin = self.cos[:p], self.sin[:p]
         feats: list[torch.Tensor | None] = [None] * len(self.layer_ids)
         for li, layer in enumerate(t.layers):
-            q, k, v = self._attention_inputs(layer, x, cos, sin)
+            q, k, v = t.attention_inputs(layer, x, cos, sin)
             self.k_t[li, slot, :, :, :p] = k.permute(1, 2, 0)
             self.v[li, slot, :, :p] = v.transpose(0, 1)
             att = F.scaled_dot_product_attention(
                 q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                 is_causal=True, scale=1.0, enable_gqa=True,
             )
-            x = self._finish_layer(layer, x, att[0].transpose(0, 1).reshape(p, h * d))
+            x = t.finish_layer(layer, x, att[0].transpose(0, 1).reshape(p, h * d))
             self._keep(feats, li, x)
         self.lengths[slot] = p
-        return int(self._logits(x[-1:]).argmax(-1)), self._features(feats)
+        return int(t.logits(x[-1:]).argmax(-1)), self._features(feats)
 
     @torch.inference_mode()
     def step(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -130,7 +110,7 @@ class ContinuousBatchDecoder:
         cos, sin = self.cos[pos], self.sin[pos]
         feats: list[torch.Tensor | None] = [None] * len(self.layer_ids)
         for li, layer in enumerate(t.layers):
-            q, k, v = self._attention_inputs(layer, x, cos, sin)
+            q, k, v = t.attention_inputs(layer, x, cos, sin)
             keys_t, values = self.k_t[li], self.v[li]
             keys_t[rows, :, :, pos] = k
             values[rows, :, pos] = v
@@ -140,10 +120,10 @@ class ContinuousBatchDecoder:
             scores = scores.view(n, kv, group, span).masked_fill(hidden, float("-inf"))
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(t.dtype).view(n * kv, group, span)
             att = torch.matmul(probs, values[:, :, :span].reshape(n * kv, span, d)).reshape(n, h * d)
-            x = self._finish_layer(layer, x, att)
+            x = t.finish_layer(layer, x, att)
             self._keep(feats, li, x)
         self.lengths += 1
-        return self._logits(x).float().argmax(-1), self._features(feats)  # bf16 argmax: several times slower
+        return t.logits(x).float().argmax(-1), self._features(feats)  # bf16 argmax: several times slower
 
     def release(self, slot: int) -> None:
         self.lengths[slot] = 0
