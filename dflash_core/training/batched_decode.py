@@ -52,9 +52,10 @@ class ContinuousBatchDecoder:
         self.capacity = round_capacity(capacity)
         shape = (target.num_layers, slots, target.num_kv_heads, self.capacity, target.head_dim)
         # Zeros: positions beyond a slot's length are masked, and 0 * NaN would poison a row.
-        # Keys are stored transposed, (..., D, capacity): the filled part of a slot is then a
-        # strided matrix the score product reads in place (slicing the other layout and
-        # transposing it made bf16 matmul copy it first: 3x slower, measured).
+        # Keys are stored transposed, (..., D, capacity), so the score product takes the filled
+        # span as (D, span) rows. bf16 matmul still gathers a strided span into a contiguous copy,
+        # but from this layout the gather is cheap (measured, 64 slots, 165 cached positions:
+        # 128 -> 108 ms per step against slicing and transposing the (capacity, D) layout).
         self.k_t = torch.zeros(shape[:3] + shape[4:] + shape[3:4], dtype=target.dtype, device=target.device)
         self.v = torch.zeros(shape, dtype=target.dtype, device=target.device)
         self.cos, self.sin = target.rope_tables(self.capacity)
