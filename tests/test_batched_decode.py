@@ -6,6 +6,8 @@ computations agree to the last bit that matters)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -14,7 +16,7 @@ from dflash_core.target import FastTarget
 from dflash_core.training.batched_decode import ContinuousBatchDecoder, greedy_decode_stream
 from dflash_core.training.prompt_sources import Prompt
 from dflash_core.training.features import FeatureStore, build_feature_cache
-from dflash_core.training.selfdistill import generate_responses, read_samples
+from dflash_core.training.selfdistill import SPENT_FILE, generate_responses, read_samples
 
 MAX_NEW = 14
 
@@ -169,3 +171,25 @@ def test_generate_stage_gives_the_same_answers_on_both_paths(tmp_path):
     assert set(a) == set(b) == {p.id for p in prompts}
     assert all(a[k].response_ids == b[k].response_ids and a[k].finished == b[k].finished for k in a)
     assert ours["new_tokens"] == theirs["new_tokens"] > 0
+
+
+def test_a_time_budget_counts_the_time_earlier_runs_spent(tmp_path):
+    """Rerunning a generate stage whose time budget is spent (a resumed recipe) answers nothing
+    more; a budget with time left goes on from what was spent, not from zero."""
+    model = tiny_target("llama", vocab=96, layers=2, seed=6)
+    prompts = _as_prompts(_prompts(8, 96, seed=7))
+    out = tmp_path / "responses"
+    first = generate_responses(model, _Tokenizer(), prompts[:4], out, batch_size=2, max_new_tokens=MAX_NEW,
+                               time_budget_s=600.0, runner=FastTarget(model))
+    assert first["new_tokens"] > 0 and len(read_samples(out)) == 4
+    spent = json.loads((out / SPENT_FILE).read_text())["seconds"]
+    assert 0.0 <= spent < 600.0
+    (out / SPENT_FILE).write_text(json.dumps({"seconds": 600.0}))  # as if the budget ran out
+    again = generate_responses(model, _Tokenizer(), prompts, out, batch_size=2, max_new_tokens=MAX_NEW,
+                               time_budget_s=600.0, runner=FastTarget(model))
+    assert again["new_tokens"] == 0 and len(read_samples(out)) == 4
+    assert not list(out.glob("shard-00001*"))  # not even an empty shard
+    more = generate_responses(model, _Tokenizer(), prompts, out, batch_size=2, max_new_tokens=MAX_NEW,
+                              time_budget_s=1200.0, runner=FastTarget(model))
+    assert more["new_tokens"] > 0 and len(read_samples(out)) == 8
+    assert json.loads((out / SPENT_FILE).read_text())["seconds"] >= 600.0

@@ -113,7 +113,8 @@ def run_recipe(target: LoadedTarget, options: RecipeOptions, stages: list[str]) 
                 runner=target.runner, feature_layers=layers,
             )
             _log(f"generate: {stats}")
-            return stats
+            # A finished stage run again adds nothing: keep the rate its real run measured.
+            return stats if stats["new_tokens"] else {"tokens": stats["tokens"]}
         _timed(log, "generate", do_generate)
 
     if "features" in stages:

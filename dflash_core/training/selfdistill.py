@@ -23,6 +23,8 @@ from .batched_decode import Answer, greedy_decode_stream
 from .prompt_sources import Prompt
 
 SHARD_GLOB = "shard-*.jsonl"
+# Wall time the stage has spent in this directory, over all runs: a time budget is a total, not per run.
+SPENT_FILE = "generate_time.json"
 
 
 @dataclass
@@ -130,11 +132,25 @@ def generate_responses(
     (``batch_size`` slots), which can also keep the target's features at ``feature_layers`` for
     every position (then the features stage need not run the target again); otherwise from
     transformers ``generate()`` in batches. Once a budget is spent no new prompt starts; answers
-    under way are completed and kept."""
+    under way are completed and kept. Both budgets count what earlier (interrupted or finished)
+    runs into ``out_dir`` spent, so rerunning a finished stage adds nothing."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     done = {s.id: len(s.response_ids) for s in read_samples(out)}
     produced = sum(done.values())
+    spent_path = out / SPENT_FILE
+    spent_before = float(json.loads(spent_path.read_text())["seconds"]) if spent_path.is_file() else 0.0
+    started = time.time()
+
+    def spent() -> float:
+        return spent_before + time.time() - started
+
+    def stop() -> bool:
+        return ((token_budget is not None and produced >= token_budget)
+                or (time_budget_s is not None and spent() >= time_budget_s))
+
+    if stop():
+        return {"tokens": float(produced), "new_tokens": 0.0, "seconds": 0.0, "tokens_per_s": 0.0}
     todo = []
     for p in prompts:
         if p.id in done:
@@ -145,14 +161,12 @@ def generate_responses(
     shard = out / f"shard-{len(list(out.glob(SHARD_GLOB))):05d}.jsonl"
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-    started = time.time()
     new_tokens = 0
     answered = len(done)
     prompt_of = {p.id: ids for p, ids in todo}
 
-    def stop() -> bool:
-        return ((token_budget is not None and produced >= token_budget)
-                or (time_budget_s is not None and time.time() - started >= time_budget_s))
+    def save_spent() -> None:
+        spent_path.write_text(json.dumps({"seconds": round(spent(), 1)}) + "\n")
 
     keep_features = isinstance(runner, FastTarget) and bool(feature_layers)
     if isinstance(runner, FastTarget):
@@ -184,9 +198,11 @@ def generate_responses(
             bar.update(len(item.response))
             if time.time() - last_flush > 5.0:  # an interruption loses at most a few seconds
                 fh.flush()
+                save_spent()
                 last_flush = time.time()
                 bar.set_postfix(tok_s=f"{new_tokens / max(time.time() - started, 1e-9):.0f}", prompts=answered)
     bar.close()
+    save_spent()
     elapsed = time.time() - started
     return {"tokens": float(produced), "new_tokens": float(new_tokens), "seconds": elapsed,
             "tokens_per_s": new_tokens / max(elapsed, 1e-9)}
