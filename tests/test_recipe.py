@@ -14,7 +14,7 @@ from dflash_core.registry import ModelSource, load_registry
 from dflash_core.training.features import FeatureStore
 from dflash_core.training.prompt_sources import Prompt, write_prompts
 from dflash_core.training.recipe import STAGES, RecipeOptions, run_recipe
-from dflash_core.training.selfdistill import read_samples
+from dflash_core.training.selfdistill import SPENT_FILE, read_samples
 from dflash_core.training.trainer import TrainSettings
 
 
@@ -64,8 +64,18 @@ def test_every_stage_runs_and_the_export_loads_back(tiny_chat_target, tmp_path):
     assert "tau HumanEval B=16" in (tmp_path / "drafter" / "README.md").read_text()
 
     # Run again with more steps: every finished stage is reused, the fit resumes where it stopped.
+    # Forget the log's generate and fit times, as if those runs had been killed before logging:
+    # the stages' own counts over all runs still give the recipe's full cost.
+    spent = json.loads((tmp_path / "work" / "responses" / SPENT_FILE).read_text())["seconds"]
+    for stage in ("generate", "fit"):
+        del log["stages"][stage]
+    (tmp_path / "work" / "recipe_log.json").write_text(json.dumps(log))
     settings.steps = 6
     again = run_recipe(tiny_chat_target, options, ["generate", "features", "fit"])
     assert again["fit"]["steps"] == 6
+    relogged = json.loads((tmp_path / "work" / "recipe_log.json").read_text())["stages"]
+    assert relogged["generate"]["seconds"] == spent and relogged["generate"]["tokens"] > 0
+    assert relogged["fit"]["seconds"] == round(again["fit"]["elapsed_s"], 1)
+    assert again["fit"]["elapsed_s"] > result["fit"]["elapsed_s"]
     assert len(FeatureStore(tmp_path / "work" / "features")) == len(store)
     assert torch.load(tmp_path / "work" / "fit" / "checkpoint.pt", weights_only=False)["step"] == 6

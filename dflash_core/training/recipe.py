@@ -24,6 +24,8 @@ from .selfdistill import generate_responses, read_samples
 from .trainer import Trainer, TrainSettings
 
 STAGES = ("prompts", "generate", "features", "fit", "export", "evaluate")
+# Key of a stage's result that holds its wall time over all runs, interrupted ones included.
+STAGE_TOTAL = "stage_total_s"
 
 
 def _log(message: str) -> None:
@@ -53,10 +55,13 @@ class RecipeLog:
         self.path = path
         self.data: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {"stages": {}}
 
-    def record(self, stage: str, elapsed: float, extra: dict[str, Any] | None = None) -> None:
+    def record(self, stage: str, elapsed: float, extra: dict[str, Any] | None = None,
+               total: float | None = None) -> None:
+        """Add ``elapsed`` to the stage's time, or set it to ``total`` where the stage keeps its
+        own count over runs (generate, fit): a run that was killed never reaches this line."""
         entry = self.data["stages"].get(stage, {"seconds": 0.0})
         entry.update({k: v for k, v in (extra or {}).items() if k != "seconds"})
-        entry["seconds"] = round(entry["seconds"] + elapsed, 1)
+        entry["seconds"] = round(total if total is not None else entry["seconds"] + elapsed, 1)
         self.data["stages"][stage] = entry
         self.path.write_text(json.dumps(self.data, indent=2) + "\n")
 
@@ -68,7 +73,9 @@ class RecipeLog:
 def _timed(log: RecipeLog, stage: str, fn: Callable[[], dict[str, Any] | None]) -> dict[str, Any]:
     started = time.time()
     extra = fn() or {}
-    log.record(stage, time.time() - started, {k: v for k, v in extra.items() if isinstance(v, (int, float, str, list))})
+    total = extra.pop(STAGE_TOTAL, None)
+    log.record(stage, time.time() - started, {k: v for k, v in extra.items() if isinstance(v, (int, float, str, list))},
+               total)
     return extra
 
 
@@ -114,7 +121,8 @@ def run_recipe(target: LoadedTarget, options: RecipeOptions, stages: list[str]) 
             )
             _log(f"generate: {stats}")
             # A finished stage run again adds nothing: keep the rate its real run measured.
-            return stats if stats["new_tokens"] else {"tokens": stats["tokens"]}
+            kept = stats if stats["new_tokens"] else {"tokens": stats["tokens"]}
+            return {**kept, STAGE_TOTAL: stats["spent_s"]}
         _timed(log, "generate", do_generate)
 
     if "features" in stages:
@@ -143,7 +151,10 @@ def run_recipe(target: LoadedTarget, options: RecipeOptions, stages: list[str]) 
                           target_model=target.model)
 
     if "fit" in stages:
-        result["fit"] = _timed(log, "fit", lambda: trainer.run())
+        def do_fit() -> dict[str, Any]:
+            fitted = trainer.run()
+            return {**fitted, STAGE_TOTAL: fitted["elapsed_s"]}
+        result["fit"] = _timed(log, "fit", do_fit)
         _log(f"fit: {result['fit']}")
 
     if "export" in stages:

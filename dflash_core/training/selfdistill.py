@@ -150,7 +150,8 @@ def generate_responses(
                 or (time_budget_s is not None and spent() >= time_budget_s))
 
     if stop():
-        return {"tokens": float(produced), "new_tokens": 0.0, "seconds": 0.0, "tokens_per_s": 0.0}
+        return {"tokens": float(produced), "new_tokens": 0.0, "seconds": 0.0, "tokens_per_s": 0.0,
+                "spent_s": spent_before}
     todo = []
     for p in prompts:
         if p.id in done:
@@ -205,4 +206,4 @@ def generate_responses(
     save_spent()
     elapsed = time.time() - started
     return {"tokens": float(produced), "new_tokens": float(new_tokens), "seconds": elapsed,
-            "tokens_per_s": new_tokens / max(elapsed, 1e-9)}
+            "tokens_per_s": new_tokens / max(elapsed, 1e-9), "spent_s": spent()}
