@@ -78,4 +78,5 @@ def test_every_stage_runs_and_the_export_loads_back(tiny_chat_target, tmp_path):
     assert relogged["fit"]["seconds"] == round(again["fit"]["elapsed_s"], 1)
     assert again["fit"]["elapsed_s"] > result["fit"]["elapsed_s"]
     assert len(FeatureStore(tmp_path / "work" / "features")) == len(store)
+    assert len(list((tmp_path / "work" / "responses").glob("shard-*.jsonl"))) == 1
     assert torch.load(tmp_path / "work" / "fit" / "checkpoint.pt", weights_only=False)["step"] == 6

@@ -149,9 +149,10 @@ def generate_responses(
         return ((token_budget is not None and produced >= token_budget)
                 or (time_budget_s is not None and spent() >= time_budget_s))
 
+    nothing_new = {"tokens": float(produced), "new_tokens": 0.0, "seconds": 0.0, "tokens_per_s": 0.0,
+                   "spent_s": spent_before}
     if stop():
-        return {"tokens": float(produced), "new_tokens": 0.0, "seconds": 0.0, "tokens_per_s": 0.0,
-                "spent_s": spent_before}
+        return nothing_new
     todo = []
     for p in prompts:
         if p.id in done:
@@ -159,6 +160,8 @@ def generate_responses(
         ids = chat_ids(tokenizer, p.messages)
         if len(ids) <= max_prompt_tokens:
             todo.append((p, ids))
+    if not todo:  # every prompt answered: no empty shard
+        return nothing_new
     shard = out / f"shard-{len(list(out.glob(SHARD_GLOB))):05d}.jsonl"
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
