@@ -2,10 +2,10 @@
 
 The self-distillation stage spends most of the recipe's time generating, so its throughput
 decides how much data a CPU-hour buys. transformers' batched ``generate()`` leaves most of that
-on the table here (SmolLM2-135M, bf16, 2 cores, 64 rows: ~240 ms per decode step, from 35.6 s
-for 64 steps less the prompts' prefill at ~1,000 tok/s, against ~60 ms of matrix products): its cache grows by concatenation, every KV head is repeated
-for its query heads at every step, and a batch runs until its longest answer ends, so rows whose
-answer ended early compute padding.
+on the table here (SmolLM2-135M, bf16, 2 cores, 64 rows: 200 ms per decode step against 71 ms
+of matrix products, ``scripts/profile_generation.py``): its cache grows by concatenation, every
+KV head is repeated for its query heads at every step, and a batch runs until its longest answer
+ends, so rows whose answer ended early compute padding.
 
 Here every slot owns a preallocated stretch of the KV cache, query heads read their shared KV
 head in place (no repeat), and a slot whose answer ended takes the next prompt at once: the
