@@ -102,7 +102,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     config = GenerationConfig(
         max_new_tokens=args.max_new_tokens, block_size=args.block_size, temperature=args.temperature,
-        top_p=args.top_p, top_k=args.top_k, seed=args.seed, rule=args.rule, adaptive=args.adaptive,
+        top_p=args.top_p, top_k=args.top_k, seed=args.seed, rule=args.rule, adaptive=args.adaptive, tree=args.tree,
     )
     # Refuse what is wrong on its face before spending seconds loading models; the block size's
     # upper bound (the drafter's) and the context length are checked once they are known.
@@ -163,6 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--rule", choices=("match", "pq"), default="match", help="acceptance rule at temperature > 0")
     g.add_argument("--adaptive", action="store_true",
                    help="verify only as many drafts as pay off (drafter confidence vs measured verify cost)")
+    g.add_argument("--tree", action="store_true",
+                   help="verify a tree of the drafter's likeliest continuations instead of one chain (greedy or rule match)")
     g.add_argument("--raw", action="store_true", help="use the prompt as is, without the chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object with token ids, text and cycles")
     g.set_defaults(func=cmd_generate)

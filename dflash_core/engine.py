@@ -16,7 +16,7 @@ from .errors import SettingsError
 from .loading import LoadedPair, Progress, load_pair
 from .prompting import check_fits_context, encode_prompt, max_new_tokens_limit, stop_token_ids
 from .registry import load_registry
-from .speculative import CycleEvent, GenerationConfig, GenerationResult, collect, measure_verify_costs, stream
+from .speculative import CycleEvent, GenerationConfig, GenerationResult, collect, measure_tree_costs, measure_verify_costs, stream
 
 MODES = ("dflash", "ar")
 
@@ -31,6 +31,7 @@ class Engine:
         self.stop_ids = stop_token_ids(self.tokenizer, getattr(loaded.target.model, "generation_config", None))
         self.lock = threading.Lock()
         self._verify_costs: list[float] | None = None
+        self._tree_costs: tuple[float, float] | None = None
         # What the latest run did, kept so front ends can show (and tests can check) that a run
         # whose consumer went away really stopped: cycles, tokens, and how it ended.
         self.last_run: dict[str, Any] | None = None
@@ -59,6 +60,9 @@ class Engine:
         config = config.validated(self.drafter.block_size, max_new_tokens_limit())
         if mode == "ar":
             config = replace(config, block_size=1)
+        elif config.tree and not hasattr(self.target.runner, "forward_tree"):
+            raise SettingsError(f"tree = true needs the fast target runner; this target runs on "
+                                f"{type(self.target.runner).__name__} (use tree = false)")
         ids = encode_prompt(self.tokenizer, prompt, raw=raw)
         check_fits_context(len(ids), config.max_new_tokens, self.context_length)
         return ids, config
@@ -87,7 +91,9 @@ class Engine:
                 self.last_run = run
                 try:
                     costs = self.verify_costs() if config.adaptive and drafter is not None else None
-                    for event in stream(self.target.runner, drafter, prompt_ids, config, self.stop_ids, should_stop, costs):
+                    tree_costs = self.tree_costs() if config.adaptive and config.tree and drafter is not None else (0.0, 0.0)
+                    for event in stream(self.target.runner, drafter, prompt_ids, config, self.stop_ids, should_stop,
+                                        costs, tree_costs):
                         run["cycles"] += 1
                         run["tokens"] += len(event.committed)
                         run["finish_reason"] = event.finish_reason
@@ -110,6 +116,13 @@ class Engine:
         if self._verify_costs is None:
             self._verify_costs = measure_verify_costs(self.target.runner, self.drafter.block_size)
         return self._verify_costs
+
+    def tree_costs(self) -> tuple[float, float]:
+        """Measured extra cost of a verified tree over a chain (branching, per further path), for
+        adaptive trees; measured once per engine, the first time it is needed (lock held)."""
+        if self._tree_costs is None:
+            self._tree_costs = measure_tree_costs(self.target.runner, self.drafter.block_size, repeats=5)
+        return self._tree_costs
 
     def generate(self, prompt: str, config: GenerationConfig, mode: str = "dflash", raw: bool = False) -> GenerationResult:
         return collect(self.stream(prompt, config, mode, raw))

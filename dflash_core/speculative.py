@@ -22,6 +22,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from . import acceptance
+from .tree import BRANCHING, DraftTree, build_tree, depth_first, walk
 from .drafter import DFlashDrafter
 from .errors import SettingsError
 from .target import TargetRunner
@@ -42,6 +43,7 @@ class GenerationConfig:
     seed: int | None = None
     rule: str = "match"  # acceptance rule at temperature > 0 (see acceptance.py)
     adaptive: bool = False  # verify only the drafts worth their cost (needs verify_costs)
+    tree: bool = False  # verify a tree of the drafter's likeliest continuations (see tree.py)
 
     def validated(self, max_block_size: int, max_new_tokens_limit: int = 1 << 20) -> "GenerationConfig":
         """This config with ``block_size`` resolved, or a ``SettingsError`` naming what is allowed."""
@@ -70,6 +72,10 @@ class GenerationConfig:
             raise SettingsError(f"rule = {self.rule!r}; allowed: {', '.join(RULES)}")
         if not isinstance(self.adaptive, bool):
             raise SettingsError(f"adaptive = {self.adaptive!r}; allowed: true or false")
+        if not isinstance(self.tree, bool):
+            raise SettingsError(f"tree = {self.tree!r}; allowed: true or false")
+        if self.tree and t > 0 and self.rule == "pq":
+            raise SettingsError("tree = true works with greedy decoding and rule = 'match'; rule = 'pq' needs a chain")
         return replace(self, block_size=block, temperature=float(t), top_p=float(self.top_p))
 
 
@@ -89,6 +95,9 @@ class CycleEvent:
     verify_s: float
     tokens_so_far: int
     finish_reason: str | None = None  # "stop" | "length" | "cancelled" when this is the last event
+    # Tree cycles: drafts the target verified (``drafted`` shows one path through them: the kept
+    # nodes, then the likeliest drafts below the last kept one). 0 for a chain.
+    tree_nodes: int = 0
 
     @property
     def accept_len(self) -> int:
@@ -169,16 +178,22 @@ def stream(
     stop_ids: Sequence[int] = (),
     should_stop: Callable[[], bool] | None = None,
     verify_costs: Sequence[float] | None = None,
+    tree_costs: tuple[float, float] = (0.0, 0.0),
 ) -> Iterator[CycleEvent]:
     """Generate after ``prompt_ids``, yielding one ``CycleEvent`` per cycle.
 
     ``config`` must be validated (``GenerationConfig.validated``). ``should_stop`` is polled once
     per cycle; when it returns True the stream ends with ``finish_reason == "cancelled"``.
     ``verify_costs[s - 1]`` is the measured time of verifying ``s`` tokens; with
-    ``config.adaptive`` it decides how many drafts each cycle verifies (see ``choose_draft_length``).
+    ``config.adaptive`` it decides how many drafts each cycle verifies (see ``choose_draft_length``);
+    a tree also pays ``tree_costs`` for branching, then per root-to-leaf path after the second
+    (``measure_tree_costs``).
     """
     block_size = int(config.block_size or 1)
     speculative = drafter is not None and block_size > 1
+    use_tree = speculative and config.tree
+    if use_tree and not hasattr(target, "forward_tree"):
+        raise SettingsError("tree = true needs the fast target runner (Llama-family targets, engine 'auto' or 'fast')")
     layer_ids = drafter.target_layer_ids if speculative else None
     sampling = config.temperature > 0
     generator = None
@@ -232,7 +247,31 @@ def stream(
         draft = torch.empty(0, dtype=torch.long, device=target.device)
         conf = torch.empty(0, device=target.device)
         draft_probs = None
-        if size > 1:
+        if size > 1 and use_tree:
+            logits, columns = _draft_block(drafter, target, cache, last, start, size, context, context_start)
+            tree = _draft_tree(logits, columns, last, size - 1, verify_costs if config.adaptive else None,
+                               clock.now() - t0, tree_costs)
+            if len(tree) > 1:
+                t1 = clock.now()
+                out = target.forward_tree(tree, layer_ids)
+                choices = choose(out.logits).tolist()  # the cycle's one host transfer
+                kept, bonus_id = walk(tree, choices)
+                t2 = clock.now()
+                a = len(kept) - 1
+                committed, reason = finish([tree.tokens[n] for n in kept[1:]] + [bonus_id], produced)
+                produced += len(committed)
+                target.keep_path(kept)
+                context, context_start = out.features[kept], start
+                shown = _shown_path(tree, kept)
+                yield CycleEvent(index, start + 1, [tree.tokens[n] for n in shown[1:]],
+                                 [tree.scores[n] / tree.scores[tree.parents[n]] for n in shown[1:]],
+                                 [choices[n] for n in shown], a, bonus_id, committed, t1 - t0, t2 - t1, produced, reason, tree_nodes=len(tree) - 1)
+                if reason:
+                    return
+                last = bonus_id
+                start += a + 1
+                continue
+        elif size > 1:
             logits, columns = _draft_block(drafter, target, cache, last, start, size, context, context_start)
             if sampling and config.rule == "pq":
                 draft_probs = acceptance.warp(logits, config.temperature, config.top_p, config.top_k)
@@ -289,6 +328,55 @@ def stream(
         start += a + 1
 
 
+def _draft_tree(logits: torch.Tensor, columns: torch.Tensor | None, anchor: int, budget: int,
+                verify_costs: Sequence[float] | None, t1_cost: float,
+                tree_costs: tuple[float, float] = (0.0, 0.0)) -> DraftTree:
+    """The draft tree of a cycle: the ``budget`` likeliest drafts, or with ``verify_costs`` the
+    prefix of them (best first) that maximises expected tokens per second, a tree with ``P > 1``
+    root-to-leaf paths costing ``branching + (P - 2) * per_path`` more than a chain."""
+    top_probs, top_ids = torch.softmax(logits.float(), -1).topk(min(BRANCHING, logits.shape[-1]), -1)
+    if columns is not None:
+        top_ids = columns[top_ids]
+    tree = build_tree(anchor, top_probs.tolist(), top_ids.tolist(), budget)
+    if verify_costs:
+        # Node scores never increase along the node order, and parents come first: any prefix
+        # of the nodes is a tree, and the best prefix is found like a chain's best length.
+        extra, leaves, has_child = [], 0, set()
+        for parent in tree.parents[1:]:
+            leaves += 1 if parent in has_child or not has_child else 0  # a new branch, or the first node
+            has_child.add(parent)
+            extra.append(0.0 if leaves < 2 else tree_costs[0] + tree_costs[1] * (leaves - 2))
+        keep = best_count(tree.scores[1:], verify_costs, t1_cost, extra) + 1
+        tree = DraftTree(tree.tokens[:keep], tree.parents[:keep], tree.depths[:keep], tree.scores[:keep])
+    return depth_first(tree)
+
+
+def _shown_path(tree: DraftTree, kept: list[int]) -> list[int]:
+    """The path a cycle's event shows: the kept nodes, then the best-scored child downwards."""
+    path = list(kept)
+    while True:
+        children = [n for n in range(1, len(tree)) if tree.parents[n] == path[-1]]
+        if not children:
+            return path
+        path.append(children[0])  # depth-first order lists children best first
+
+
+def best_count(gains: Sequence[float], verify_costs: Sequence[float], t1_cost: float = 0.0,
+               extra_costs: Sequence[float] | None = None) -> int:
+    """How many drafts to verify when the ``i``-th adds ``gains[i]`` expected tokens and ``k``
+    drafts cost ``verify_costs[k]`` (a block of ``k + 1``) plus ``t1_cost`` (plus
+    ``extra_costs[k - 1]``): the ``k`` that maximises expected tokens per second (0: verify the
+    anchor alone)."""
+    k_max = min(len(gains), len(verify_costs) - 1)
+    best_k, best_rate, expected = 0, 1.0 / (t1_cost + verify_costs[0]), 1.0
+    for k in range(1, k_max + 1):
+        expected += gains[k - 1]
+        rate = expected / (t1_cost + verify_costs[k] + (extra_costs[k - 1] if extra_costs else 0.0))
+        if rate > best_rate:
+            best_k, best_rate = k, rate
+    return best_k
+
+
 def choose_draft_length(confidence: torch.Tensor, verify_costs: Sequence[float], t1_cost: float = 0.0) -> int:
     """How many drafts to verify: the k that maximises expected tokens per second.
 
@@ -300,14 +388,7 @@ def choose_draft_length(confidence: torch.Tensor, verify_costs: Sequence[float],
     k_max = min(len(confidence), len(verify_costs) - 1)
     if k_max <= 0:
         return 0
-    survive = torch.cumprod(confidence[:k_max].float(), 0).tolist()
-    best_k, best_rate, expected = 0, 1.0 / (t1_cost + verify_costs[0]), 1.0
-    for k in range(1, k_max + 1):
-        expected += survive[k - 1]
-        rate = expected / (t1_cost + verify_costs[k])
-        if rate > best_rate:
-            best_k, best_rate = k, rate
-    return best_k
+    return best_count(torch.cumprod(confidence[:k_max].float(), 0).tolist(), verify_costs, t1_cost)
 
 
 def measure_verify_costs(target: TargetRunner, max_block: int, context: int = 128, repeats: int = 3) -> list[float]:
@@ -326,6 +407,36 @@ def measure_verify_costs(target: TargetRunner, max_block: int, context: int = 12
             target.truncate(context)
         costs.append(sorted(times)[len(times) // 2])
     return costs
+
+
+def measure_tree_costs(target: TargetRunner, max_block: int, context: int = 128, repeats: int = 3) -> tuple[float, float]:
+    """What a verified tree costs beyond a chain of as many nodes (``FastTarget.forward_tree``):
+    ``(branching, per_path)``: the first branch, then each further root-to-leaf path. Measured
+    on a chain, a tree of two paths and a star of ``max_block - 1`` leaves, after ``context``
+    tokens. (0, 0) below 4 tokens."""
+    if max_block < 4:
+        return 0.0, 0.0
+    clock = _Clock(target.device)
+    ids = (torch.arange(context, dtype=torch.long) % 1000 + 10)
+    nodes = list(range(max_block))
+    tokens = [20 + n for n in nodes]
+    chain = DraftTree(tokens, [n - 1 for n in nodes], nodes, [1.0] * max_block)
+    fork = depth_first(DraftTree(tokens, [n - 1 for n in nodes[:-1]] + [0], nodes[:-1] + [1], [1.0] * max_block))
+    star = DraftTree(tokens, [-1] + [0] * (max_block - 1), [0] + [1] * (max_block - 1), [1.0] * max_block)
+    target.reset(context + max_block)
+    target.forward(ids, None, last_only=True)
+    medians = []
+    for tree in (chain, fork, star):
+        times = []
+        for _ in range(repeats + 1):  # the first call warms up
+            t0 = clock.now()
+            target.forward_tree(tree, None)
+            times.append(clock.now() - t0)
+            target.truncate(context)
+        times = sorted(times[1:])
+        medians.append(times[len(times) // 2])
+    branching = max(0.0, medians[1] - medians[0])
+    return branching, max(0.0, (medians[2] - medians[1]) / (max_block - 3))
 
 
 def collect(events: Iterator[CycleEvent]) -> GenerationResult:

@@ -26,6 +26,8 @@ from typing import Protocol, Sequence
 import torch
 import torch.nn.functional as F
 
+from .tree import DraftTree
+
 FAST_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 CAPACITY_ALIGN = 64  # cache capacity granularity (positions)
 PREFILL_CHUNK = 512  # longest slice of a prompt FastTarget processes at once
@@ -227,6 +229,11 @@ class FastTarget:
         self.rotary = inner.rotary_emb
         self.layers = [self._fuse(layer) for layer in inner.layers]
         self._k = self._v = None
+        self._tree: tuple | None = None  # (start, nodes, their V) between forward_tree and keep_path
+        # Copies of the value cache for tree verification (see forward_tree); positions below
+        # ``_replicas_valid`` equal the cache's.
+        self._replicas: torch.Tensor | None = None
+        self._replicas_valid: list[int] = []
         self._capacity = 0
         self._length = 0
         self._cos = self._sin = None
@@ -280,6 +287,7 @@ class FastTarget:
             self._cos, self._sin = self.rope_tables(capacity)
             self._capacity = capacity
         self._length = 0
+        self._replicas_valid = [0] * len(self._replicas_valid)
 
     def rope_tables(self, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin), each (capacity, heads + kv_heads, D), for ``rope``: queries' rows carry
@@ -297,6 +305,7 @@ class FastTarget:
 
     def truncate(self, length: int) -> None:
         self._length = min(self._length, length)
+        self._replicas_valid = [min(v, self._length) for v in self._replicas_valid]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(input_ids.to(self.device), self.embed_weight)
@@ -387,6 +396,134 @@ class FastTarget:
         logits = self.logits(x[-1:] if last_only else x)
         features = torch.cat(feats, dim=-1) if feats else None
         return TargetOutput(logits, features)
+
+    # ------------------------------------------------------------------------- tree verification
+    @torch.inference_mode()
+    def forward_tree(self, tree: DraftTree, layer_ids: Sequence[int] | None) -> TargetOutput:
+        """Score every node of a draft tree in one pass (see ``tree.py``); logits and features
+        come in node order. ``tree`` must be depth-first (``tree.depth_first``). Call
+        ``keep_path`` next: it moves the kept nodes' K/V into place.
+
+        Node ``n`` sits at position ``length + depth(n)`` and sees the cached positions and its
+        own ancestors. Its arithmetic is what autoregressive decoding of its path does: its
+        attention row is laid out as if its ancestors filled the positions after the cache
+        (scores gathered into that order; values put into that order once per root-to-leaf
+        path: depth-first, a path differs from the one before only in its own contiguous run of
+        nodes), so the cache span, the masking and the order of every sum are those of ``forward``. Greedy tree verification is therefore
+        exactly the target's greedy decoding, as the chain is (tested in bf16 and fp32).
+        """
+        groups = tree.leaf_groups()
+        runs = [nodes for _, nodes in groups]
+        if [n for nodes in runs for n in nodes] != list(range(len(tree))):
+            raise ValueError("forward_tree needs a depth-first tree (dflash_core.tree.depth_first)")
+        ids = torch.tensor(tree.tokens, dtype=torch.long, device=self.device)
+        real = ids.shape[0]
+        start = self._length
+        end = start + real
+        if end > self._capacity:
+            raise ValueError(f"KV cache holds {self._capacity} positions; {end} requested (call reset with more)")
+        depths = torch.tensor(tree.depths, device=self.device)
+        ancestors = torch.tensor(tree.ancestors(), device=self.device)  # (real, real) node ids
+        if real < self._min_rows:  # as in forward: every row on the multi-row kernel path
+            pad = self._min_rows - real
+            ids = torch.cat((ids, ids[-1:].expand(pad)))
+            depths = torch.cat((depths, depths[-1:].expand(pad)))
+            ancestors = torch.cat((ancestors, ancestors[-1:].expand(pad, -1)))
+        t = ids.shape[0]
+        # The value product. The first path (nodes 0..L-1, depths 0..L-1) finds its values in
+        # place in the cache: one product over its rows (at least the multi-row threshold).
+        # Every other path p: one batched product of its run of nodes, widened to ``width`` rows
+        # by borrowing neighbours (computed, then discarded), against replica p of the value
+        # cache, which holds the committed values then p's path in depth order.
+        main = max(len(groups[0][1]), self._min_rows)
+        others = groups[1:]
+        paths = len(others)
+        if paths:
+            width = max(max(len(nodes) for _, nodes in others), self._min_rows)
+            firsts = [min(nodes[0], t - width) for _, nodes in others]
+            window = torch.tensor(firsts, device=self.device)[:, None] + torch.arange(width, device=self.device)
+            owner = [p for p, (_, nodes) in enumerate(others) for _ in nodes]
+            rows = [n for _, nodes in others for n in nodes]
+            pick = (torch.tensor(owner, device=self.device), torch.tensor([r - firsts[p] for r, p in zip(rows, owner)], device=self.device))
+            picked = slice(len(groups[0][1]), real)
+            write_path = torch.tensor([p for p, (path, _) in enumerate(others) for _ in path], device=self.device)
+            write_node = torch.tensor([n for path, _ in others for n in path], device=self.device)
+            write_pos = start + torch.tensor([tree.depths[n] for path, _ in others for n in path], device=self.device)
+            replicas = self._value_replicas(paths, start)
+        h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        group = h // kv
+        cap = self._capacity
+        positions = start + depths
+        cos, sin = self._cos[positions], self._sin[positions]
+        hidden_mask = ~(torch.arange(cap, device=self.device)[None, :] <= positions[:, None])  # (T, cap)
+        gather = ancestors[None, :, None, :].expand(kv, t, group, real)
+        wanted = {i: n for n, i in enumerate(layer_ids or ())}
+        feats: list[torch.Tensor | None] = [None] * len(wanted)
+        tree_values = []
+
+        x = F.embedding(ids, self.embed_weight)
+        for li, layer in enumerate(self.layers):
+            q, k, v = self.attention_inputs(layer, x, cos, sin)
+            self._k[li, :, start:end] = k[:real].transpose(0, 1)
+            self._v[li, :, start:end] = v[:real].transpose(0, 1)
+            # Rows ordered (kv head, node, query head in the group): a run of nodes is then one
+            # (kv, rows, cap) view for the value product.
+            qg = q.reshape(t, kv, group, d).transpose(0, 1).reshape(kv, t * group, d)
+            scores = torch.matmul(qg, self._k[li].transpose(1, 2)).view(kv, t, group, cap)
+            # Columns start.. hold the nodes in node order; each row wants its ancestors there.
+            scores[..., start:end] = scores[..., start:end].gather(-1, gather)
+            scores = scores.masked_fill(hidden_mask[:, None, :], float("-inf"))
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(self.dtype)
+            values = self._v[li, :, start:end].clone()  # (kv, real, d), node order
+            tree_values.append(values)
+            first = torch.matmul(probs[:, :main].reshape(kv, main * group, cap), self._v[li])
+            if not paths:  # a chain (with its padding rows, if any)
+                att = first.view(kv, main, group, d).transpose(0, 1)
+            else:
+                att = torch.empty(t, kv, group, d, dtype=self.dtype, device=self.device)
+                att[:main] = first.view(kv, main, group, d).transpose(0, 1)
+                layer_replicas = replicas[li, :paths]  # (paths, kv, cap, d)
+                layer_replicas[write_path, :, write_pos] = values[:, write_node].transpose(0, 1)
+                chosen = probs[:, window].transpose(0, 1).reshape(paths * kv, width * group, cap)
+                out = torch.bmm(chosen, layer_replicas.view(paths * kv, cap, d)).view(paths, kv, width, group, d)
+                att[picked] = out[pick[0], :, pick[1]]  # (nodes, kv, group, d)
+                if t > real:  # padding rows: copies of the last node
+                    att[real:] = att[real - 1 : real]
+            x = self.finish_layer(layer, x, att.reshape(t, h * d))
+            if li in wanted:
+                feats[wanted[li]] = x[:real]
+        self._tree = (start, real, torch.stack(tree_values))
+        self._length = end
+        features = torch.cat(feats, dim=-1) if feats else None
+        return TargetOutput(self.logits(x[:real]), features)
+
+    def _value_replicas(self, paths: int, start: int) -> torch.Tensor:
+        """(layers, >= paths, kv, capacity, D) copies of the value cache, the first ``paths``
+        valid before ``start``. Kept between calls: each replica copies in only the positions
+        committed since it was last used."""
+        old = self._replicas
+        if old is None or old.shape[1] < paths or old.shape[3] != self._capacity:
+            count = paths if old is None or old.shape[1] < paths else old.shape[1]
+            shape = (self.num_layers, max(count, 8), self.num_kv_heads, self._capacity, self.head_dim)
+            self._replicas = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            self._replicas_valid = [0] * shape[1]
+        for p in range(paths):
+            valid = self._replicas_valid[p]
+            if valid < start:
+                self._replicas[:, p, :, valid:start] = self._v[:, :, valid:start]
+            self._replicas_valid[p] = start
+        return self._replicas
+
+    def keep_path(self, nodes: Sequence[int]) -> None:
+        """After ``forward_tree``: keep the K/V of ``nodes`` (a root-first path) at consecutive
+        positions, where autoregressive decoding of that path would have put them."""
+        start, real, values = self._tree
+        index = torch.tensor(list(nodes), device=self.device)
+        keys = self._k[:, :, start : start + real].clone()
+        self._k[:, :, start : start + len(nodes)] = keys[:, :, index]
+        self._v[:, :, start : start + len(nodes)] = values[:, :, index]
+        self._length = start + len(nodes)
+        self._tree = None
 
 
 def make_runner(model: torch.nn.Module, engine: str = "auto") -> TargetRunner:

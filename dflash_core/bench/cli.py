@@ -81,7 +81,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     (args.out / "summary.md").write_text(markdown_summary(settings, summary), encoding="utf-8")
     print(json.dumps(summary, indent=2))
     if summary.get("lossless") is False:
-        _log(f"WARNING: greedy DFlash output differed from AR on prompts {summary['mismatched_prompts']}")
+        _log(f"WARNING: greedy DFlash output differed from AR on prompts {summary['mismatched_prompts']} "
+             f"(by method: {summary.get('mismatched_by_method')})")
     return 0
 
 

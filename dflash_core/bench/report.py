@@ -154,16 +154,20 @@ def benchmarks_markdown(runs: list[dict[str, Any]], drafter_info: dict[str, Any]
         lines += ["## Overview", "",
                   "DFlash verifies the whole block; *adaptive* verifies only the drafts worth their measured cost; "
                   "*pq* samples drafts from the drafter and accepts with min(1, p/q) (the default rule at "
-                  "temperature > 0 is *match*: keep drafts while they equal the target's own samples).", "",
-                  "| run | tau | AR tok/s | DFlash tok/s | DFlash / AR | adaptive / AR | pq tau | pq / AR | "
+                  "temperature > 0 is *match*: keep drafts while they equal the target's own samples); *tree* "
+                  "verifies a tree of the drafter's likeliest continuations of the same size as the block "
+                  "(*tree adaptive*: of the size worth its measured cost).", "",
+                  "| run | tau | AR tok/s | DFlash tok/s | DFlash / AR | adaptive / AR | tree tau | tree / AR | "
+                  "tree adaptive / AR | pq tau | pq / AR | "
                   "DFlash / HF generate | DFlash / prompt lookup | AR / HF generate | lossless |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for run in runs:
             s, m = run["settings"], run["summary"]
             tps = m["tokens_per_s"]
             lines.append("| " + " | ".join([
                 _section_title(s), cell(m.get("tau")), cell(tps.get("ar")), cell(tps.get("dflash")),
-                cell(m.get("speedup_vs_ar")), cell(m.get("speedup_dflash_adaptive_vs_ar")), cell(m.get("tau_pq")),
+                cell(m.get("speedup_vs_ar")), cell(m.get("speedup_dflash_adaptive_vs_ar")), cell(m.get("tau_tree")),
+                cell(m.get("speedup_dflash_tree_vs_ar")), cell(m.get("speedup_dflash_tree_adaptive_vs_ar")), cell(m.get("tau_pq")),
                 cell(m.get("speedup_dflash_pq_vs_ar")), cell(m.get("speedup_vs_hf_generate")),
                 cell(m.get("speedup_vs_prompt_lookup")), cell(m.get("ar_vs_hf_generate")), cell(m.get("lossless")),
             ]) + " |")

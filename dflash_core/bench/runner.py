@@ -5,7 +5,10 @@ Methods (all greedy unless a temperature is given; all on the same loaded target
 * ``dflash`` — the engine with the pair's drafter;
 * ``ar`` — the same engine, block size 1 (the target alone, our own loop);
 * ``hf_generate`` — transformers ``model.generate()``, what most users run today;
-* ``prompt_lookup`` — transformers prompt-lookup decoding (``prompt_lookup_num_tokens``).
+* ``prompt_lookup`` — transformers prompt-lookup decoding (``prompt_lookup_num_tokens``);
+* ``dflash_adaptive`` — DFlash verifying only the drafts worth their measured cost;
+* ``dflash_tree`` / ``dflash_tree_adaptive`` — DFlash verifying a tree of the drafter's likeliest
+  continuations (``tree.py``), of the block's size or of the size worth its cost.
 
 Timing lives here, not in the loop: each method is timed end to end (prefill included) with a
 CUDA synchronisation on GPUs (``torch.cuda.Event`` pairs), ``perf_counter`` on CPUs. The order of
@@ -25,7 +28,7 @@ from ..engine import Engine
 from ..prompting import encode_prompt
 from ..speculative import GenerationConfig, GenerationResult, collect
 
-METHODS = ("dflash", "ar", "hf_generate", "prompt_lookup", "dflash_adaptive")
+METHODS = ("dflash", "ar", "hf_generate", "prompt_lookup", "dflash_adaptive", "dflash_tree", "dflash_tree_adaptive")
 
 
 @dataclass
@@ -79,13 +82,13 @@ class Bench:
         self.timer = Timer(engine.target.runner.device)
 
     # ---------------------------------------------------------------------------- methods
-    def _engine_run(self, ids: list[int], mode: str, rule: str = "match", adaptive: bool = False) -> MethodRun:
+    def _engine_run(self, ids: list[int], mode: str, rule: str = "match", adaptive: bool = False, tree: bool = False) -> MethodRun:
         cfg = self.config if mode == "dflash" else GenerationConfig(
             max_new_tokens=self.config.max_new_tokens, block_size=1, temperature=self.config.temperature,
             top_p=self.config.top_p, top_k=self.config.top_k, seed=self.config.seed)
-        cfg = GenerationConfig(**{**cfg.__dict__, "rule": rule, "adaptive": adaptive}).validated(self.engine.drafter.block_size)
+        cfg = GenerationConfig(**{**cfg.__dict__, "rule": rule, "adaptive": adaptive, "tree": tree}).validated(self.engine.drafter.block_size)
         result, seconds = self.timer(lambda: collect(self.engine.stream_ids(ids, cfg)))
-        name = mode + ("" if rule == "match" else f"_{rule}") + ("_adaptive" if adaptive else "")
+        name = mode + ("" if rule == "match" else f"_{rule}") + ("_tree" if tree else "") + ("_adaptive" if adaptive else "")
         return MethodRun(name, result.token_ids, seconds, result.decode_s, result)
 
     def _hf_run(self, ids: list[int], lookup: bool) -> MethodRun:
@@ -117,6 +120,9 @@ class Bench:
             return [self._engine_run(ids, "dflash", rule) for rule in self.rules]
         if method == "dflash_adaptive":
             return [self._engine_run(ids, "dflash", rule, adaptive=True) for rule in self.rules]
+        if method in ("dflash_tree", "dflash_tree_adaptive"):
+            # Trees verify with the match rule only (pq would need multi-candidate rejection).
+            return [self._engine_run(ids, "dflash", "match", adaptive=method.endswith("adaptive"), tree=True)]
         if method == "ar":
             return [self._engine_run(ids, "ar")]
         if method == "hf_generate":
@@ -185,10 +191,15 @@ def summarize(records: list[PromptRecord], block_size: int, temperature: float) 
     summary["speedup_vs_hf_generate"] = _ratio(d, tps.get("hf_generate", float("nan")))
     summary["speedup_vs_prompt_lookup"] = _ratio(d, tps.get("prompt_lookup", float("nan")))
     summary["ar_vs_hf_generate"] = _ratio(tps.get("ar", float("nan")), tps.get("hf_generate", float("nan")))
-    mismatches = [r.index for r in records if "dflash" in r.runs and "ar" in r.runs and r.runs["dflash"].tokens != r.runs["ar"].tokens]
-    summary["lossless_checked"] = temperature == 0 and "dflash" in methods and "ar" in methods
+    # Greedy, every DFlash variant (chain, adaptive, tree) must reproduce the AR output exactly.
+    variants = [m for m in methods if m == "dflash" or m.startswith("dflash_")]
+    by_variant = {v: [r.index for r in records if v in r.runs and "ar" in r.runs and r.runs[v].tokens != r.runs["ar"].tokens]
+                  for v in variants}
+    mismatches = sorted({i for indices in by_variant.values() for i in indices})
+    summary["lossless_checked"] = temperature == 0 and bool(variants) and "ar" in methods
     summary["lossless"] = (not mismatches) if summary["lossless_checked"] else None
     summary["mismatched_prompts"] = mismatches
+    summary["mismatched_by_method"] = {v: i for v, i in by_variant.items() if i} if summary["lossless_checked"] else None
     hf_diff = [r.index for r in records if "hf_generate" in r.runs and "ar" in r.runs and r.runs["hf_generate"].tokens != r.runs["ar"].tokens]
     summary["ar_differs_from_hf_generate"] = hf_diff if temperature == 0 else None
     return summary

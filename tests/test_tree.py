@@ -1,0 +1,162 @@
+"""Draft trees: construction, the target's tree pass (bit-exact against decoding each path), and
+the speculative loop verifying trees (lossless, and more tokens per cycle than a chain)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import tiny_drafter, tiny_target
+from dflash_core.drafter import DFlashDrafter
+from dflash_core.errors import SettingsError
+from dflash_core.speculative import GenerationConfig, collect, stream
+from dflash_core.target import FastTarget, HFTarget
+from dflash_core.tree import DraftTree, build_tree, depth_first, walk
+from test_speculative import PROMPTS
+
+
+def random_tree(seed: int, budget: int = 12, slots: int = 6, k: int = 4) -> DraftTree:
+    g = torch.Generator().manual_seed(seed)
+    probs = torch.rand(slots, k, generator=g).sort(descending=True).values.tolist()
+    tokens = torch.randint(4, 90, (slots, k), generator=g).tolist()
+    return build_tree(60, probs, tokens, budget)
+
+
+def test_build_tree_keeps_the_best_scored_nodes_parents_first():
+    probs = [[0.6, 0.3], [0.5, 0.4], [0.9, 0.05]]
+    tokens = [[10, 11], [20, 21], [30, 31]]
+    tree = build_tree(7, probs, tokens, 4)
+    # Scores: 10: .6, 11: .3, 10-20: .3 (a tie: the first pushed wins), 10-20-30: .27, 10-21: .24
+    assert tree.tokens == [7, 10, 11, 20, 30]
+    assert tree.parents == [-1, 0, 0, 1, 3]
+    assert tree.depths == [0, 1, 1, 2, 3]
+    assert tree.scores == pytest.approx([1, 0.6, 0.3, 0.3, 0.27])
+    for seed in range(20):
+        t = random_tree(seed)
+        assert len(t) == 13
+        assert all(t.parents[n] < n and t.depths[n] == t.depths[t.parents[n]] + 1 for n in range(1, len(t)))
+        assert all(a >= b for a, b in zip(t.scores, t.scores[1:]))
+
+
+def test_depth_first_order_makes_every_path_one_run_of_nodes():
+    for seed in range(20):
+        tree = random_tree(seed)
+        dfs = depth_first(tree)
+        assert sorted(zip(dfs.tokens, dfs.depths)) == sorted(zip(tree.tokens, tree.depths))
+        runs = [nodes for _, nodes in dfs.leaf_groups()]
+        assert [n for nodes in runs for n in nodes] == list(range(len(dfs)))
+        assert all(nodes == list(range(nodes[0], nodes[-1] + 1)) for nodes in runs)
+        first_path, _ = dfs.leaf_groups()[0]
+        assert first_path == list(range(len(first_path)))
+
+
+def test_walk_follows_the_target_choices():
+    tree = DraftTree([7, 10, 11, 20, 21], [-1, 0, 0, 2, 2], [0, 1, 1, 2, 2], [1, 0.5, 0.4, 0.3, 0.1])
+    assert walk(tree, [11, 0, 21, 0, 0]) == ([0, 2, 4], 0)
+    assert walk(tree, [12, 0, 0, 0, 0]) == ([0], 12)
+    assert walk(tree, [10, 5, 0, 0, 0]) == ([0, 1], 5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_a_tree_pass_scores_every_node_as_decoding_its_path_does(family, dtype):
+    model = tiny_target(family, dtype=dtype)
+    runner = FastTarget(model)
+    prompt = PROMPTS[0]
+    for seed in range(3):
+        tree = depth_first(random_tree(seed))
+        runner.reset(64)
+        runner.forward(torch.tensor(prompt[:-1]), None)
+        out = runner.forward_tree(tree, [0, 2])
+        for node in range(len(tree)):
+            runner.reset(64)
+            runner.forward(torch.tensor(prompt[:-1]), None)
+            for n in tree.path(node):
+                ref = runner.forward(torch.tensor([tree.tokens[n]]), [0, 2])
+            if dtype == torch.bfloat16:  # the production dtype: bit for bit
+                assert torch.equal(ref.logits[-1], out.logits[node]), (seed, node)
+                assert torch.equal(ref.features[-1], out.features[node]), (seed, node)
+            else:  # fp32 kernels round a lone row and a block differently (as for a chain)
+                torch.testing.assert_close(ref.logits[-1], out.logits[node], rtol=0, atol=1e-4)
+        # Keeping a path leaves the cache as if that path had been decoded token by token.
+        leaf = max(range(len(tree)), key=lambda n: tree.depths[n] + n / 100)
+        runner.reset(64)
+        runner.forward(torch.tensor(prompt[:-1]), None)
+        runner.forward_tree(tree, None)
+        runner.keep_path(tree.path(leaf))
+        after_tree = runner.forward(torch.tensor([5, 6]), None).logits
+        runner.reset(64)
+        runner.forward(torch.tensor(prompt[:-1]), None)
+        runner.forward(torch.tensor([tree.tokens[n] for n in tree.path(leaf)]), None)
+        assert torch.equal(runner.forward(torch.tensor([5, 6]), None).logits, after_tree)
+
+
+class SecondChoiceDrafter(DFlashDrafter):
+    """Knows the reference continuation but ranks it second at every third position (a decoy
+    first): a chain stops at the decoy, a tree finds the reference on its second branch."""
+
+    def __init__(self, base: DFlashDrafter, reference: list[int]) -> None:
+        super().__init__(base.config)
+        self.load_state_dict(base.state_dict())
+        self.reference = reference
+        self._positions = None
+
+    def forward(self, noise_embedding, block_positions, *args, **kwargs):  # noqa: D102
+        self._positions = block_positions.reshape(-1)
+        return super().forward(noise_embedding, block_positions, *args, **kwargs)
+
+    def logits(self, hidden, lm_head_weight):  # noqa: D102
+        positions = self._positions[1:].tolist()
+        out = torch.full((len(positions), lm_head_weight.shape[0]), -20.0)
+        for row, pos in enumerate(positions):
+            right = self.reference[pos] if pos < len(self.reference) else 0
+            out[row, right] = 5.0
+            if pos % 3 == 0:
+                out[row, (right + 1) % lm_head_weight.shape[0]] = 5.5
+        return out.to(hidden.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_greedy_tree_verification_equals_greedy_ar_and_keeps_more_per_cycle(family, dtype):
+    model = tiny_target(family, dtype=dtype)
+    runner = FastTarget(model)
+    drafter = tiny_drafter(model)
+    for prompt in PROMPTS:
+        ar = collect(stream(runner, None, prompt, GenerationConfig(max_new_tokens=40, block_size=1).validated(16)))
+        decoy = SecondChoiceDrafter(drafter, list(prompt) + ar.token_ids)
+        for block in (2, 3, 8, 16):
+            tree_cfg = GenerationConfig(max_new_tokens=40, block_size=block, tree=True).validated(16)
+            for d in (drafter, decoy):
+                out = collect(stream(runner, d, prompt, tree_cfg))
+                assert out.token_ids == ar.token_ids, (family, block, type(d).__name__)
+                assert all(c.tree_nodes <= block - 1 for c in out.cycles)
+        chain = collect(stream(runner, decoy, prompt, GenerationConfig(max_new_tokens=40, block_size=16).validated(16)))
+        tree = collect(stream(runner, decoy, prompt, GenerationConfig(max_new_tokens=40, block_size=16, tree=True).validated(16)))
+        assert tree.tau > chain.tau + 1, (chain.tau, tree.tau)
+
+
+def test_adaptive_trees_stay_lossless_and_shrink_when_branches_are_expensive():
+    model = tiny_target("llama", seed=6)
+    runner = FastTarget(model)
+    drafter = tiny_drafter(model)
+    flat = [0.001] * 16
+    for prompt in PROMPTS:
+        ar = collect(stream(runner, None, prompt, GenerationConfig(max_new_tokens=40, block_size=1).validated(16)))
+        cfg = GenerationConfig(max_new_tokens=40, block_size=16, adaptive=True, tree=True).validated(16)
+        cheap = collect(stream(runner, drafter, prompt, cfg, verify_costs=flat))
+        dear = collect(stream(runner, drafter, prompt, cfg, verify_costs=flat, tree_costs=(1.0, 1.0)))
+        assert cheap.token_ids == dear.token_ids == ar.token_ids
+        # Free verification: the whole budget; branching priced out: chains only.
+        assert max(c.tree_nodes for c in cheap.cycles) == 15
+        assert all(c.tree_nodes == len(c.drafted) for c in dear.cycles)
+
+
+def test_trees_refuse_what_they_cannot_do():
+    with pytest.raises(SettingsError, match="rule = 'pq'"):
+        GenerationConfig(block_size=16, temperature=0.7, rule="pq", tree=True).validated(16)
+    with pytest.raises(SettingsError, match="tree"):
+        GenerationConfig(tree="yes").validated(16)
+    model = tiny_target("llama")
+    with pytest.raises(SettingsError, match="fast target runner"):
+        collect(stream(HFTarget(model), tiny_drafter(model), PROMPTS[0], GenerationConfig(block_size=4, tree=True).validated(16)))
