@@ -7,12 +7,11 @@ import pytest
 import torch
 
 from conftest import tiny_drafter, tiny_target
-from dflash_core.drafter import DFlashDrafter
 from dflash_core.errors import SettingsError
 from dflash_core.speculative import GenerationConfig, collect, stream
 from dflash_core.target import FastTarget, HFTarget
 from dflash_core.tree import DraftTree, build_tree, depth_first, walk
-from test_speculative import PROMPTS
+from test_speculative import PROMPTS, OracleDrafter
 
 
 def random_tree(seed: int, budget: int = 12, slots: int = 6, k: int = 4) -> DraftTree:
@@ -91,19 +90,9 @@ def test_a_tree_pass_scores_every_node_as_decoding_its_path_does(family, dtype):
         assert torch.equal(runner.forward(torch.tensor([5, 6]), None).logits, after_tree)
 
 
-class SecondChoiceDrafter(DFlashDrafter):
+class SecondChoiceDrafter(OracleDrafter):
     """Knows the reference continuation but ranks it second at every third position (a decoy
     first): a chain stops at the decoy, a tree finds the reference on its second branch."""
-
-    def __init__(self, base: DFlashDrafter, reference: list[int]) -> None:
-        super().__init__(base.config)
-        self.load_state_dict(base.state_dict())
-        self.reference = reference
-        self._positions = None
-
-    def forward(self, noise_embedding, block_positions, *args, **kwargs):  # noqa: D102
-        self._positions = block_positions.reshape(-1)
-        return super().forward(noise_embedding, block_positions, *args, **kwargs)
 
     def logits(self, hidden, lm_head_weight):  # noqa: D102
         positions = self._positions[1:].tolist()
