@@ -121,7 +121,7 @@ class Engine:
         """Measured extra cost of a verified tree over a chain (branching, per further path), for
         adaptive trees; measured once per engine, the first time it is needed (lock held)."""
         if self._tree_costs is None:
-            self._tree_costs = measure_tree_costs(self.target.runner, self.drafter.block_size, repeats=5)
+            self._tree_costs = measure_tree_costs(self.target.runner, self.drafter.block_size)
         return self._tree_costs
 
     def generate(self, prompt: str, config: GenerationConfig, mode: str = "dflash", raw: bool = False) -> GenerationResult:

@@ -251,7 +251,10 @@ def stream(
             logits, columns = _draft_block(drafter, target, cache, last, start, size, context, context_start)
             tree = _draft_tree(logits, columns, last, size - 1, verify_costs if config.adaptive else None,
                                clock.now() - t0, tree_costs)
-            if len(tree) > 1:
+            if tree.is_chain():  # verified as a chain: the plain forward is cheaper
+                draft = torch.tensor(tree.tokens[1:], dtype=torch.long, device=target.device)
+                conf = torch.tensor([tree.scores[n] / tree.scores[n - 1] for n in range(1, len(tree))], device=target.device)
+            else:
                 t1 = clock.now()
                 out = target.forward_tree(tree, layer_ids)
                 choices = choose(out.logits).tolist()  # the cycle's one host transfer
@@ -409,7 +412,7 @@ def measure_verify_costs(target: TargetRunner, max_block: int, context: int = 12
     return costs
 
 
-def measure_tree_costs(target: TargetRunner, max_block: int, context: int = 128, repeats: int = 3) -> tuple[float, float]:
+def measure_tree_costs(target: TargetRunner, max_block: int, context: int = 128, repeats: int = 9) -> tuple[float, float]:
     """What a verified tree costs beyond a chain of as many nodes (``FastTarget.forward_tree``):
     ``(branching, per_path)``: the first branch, then each further root-to-leaf path. Measured
     on a chain, a tree of two paths and a star of ``max_block - 1`` leaves, after ``context``
@@ -425,16 +428,15 @@ def measure_tree_costs(target: TargetRunner, max_block: int, context: int = 128,
     star = DraftTree(tokens, [-1] + [0] * (max_block - 1), [0] + [1] * (max_block - 1), [1.0] * max_block)
     target.reset(context + max_block)
     target.forward(ids, None, last_only=True)
-    medians = []
-    for tree in (chain, fork, star):
-        times = []
-        for _ in range(repeats + 1):  # the first call warms up
+    times: list[list[float]] = [[], [], []]
+    for round_ in range(repeats + 1):  # round 0 warms up; the three shapes alternate, so drift hits all
+        for shape, tree in enumerate((chain, fork, star)):
             t0 = clock.now()
             target.forward_tree(tree, None)
-            times.append(clock.now() - t0)
+            if round_:
+                times[shape].append(clock.now() - t0)
             target.truncate(context)
-        times = sorted(times[1:])
-        medians.append(times[len(times) // 2])
+    medians = [sorted(t)[len(t) // 2] for t in times]
     branching = max(0.0, medians[1] - medians[0])
     return branching, max(0.0, (medians[2] - medians[1]) / (max_block - 3))
 

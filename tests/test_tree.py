@@ -136,9 +136,10 @@ def test_adaptive_trees_stay_lossless_and_shrink_when_branches_are_expensive():
         cheap = collect(stream(runner, drafter, prompt, cfg, verify_costs=flat))
         dear = collect(stream(runner, drafter, prompt, cfg, verify_costs=flat, tree_costs=(1.0, 1.0)))
         assert cheap.token_ids == dear.token_ids == ar.token_ids
-        # Free verification: the whole budget; branching priced out: chains only.
+        # Free verification: the whole budget; branching priced out: chains only (verified as
+        # chains, so no tree nodes).
         assert max(c.tree_nodes for c in cheap.cycles) == 15
-        assert all(c.tree_nodes == len(c.drafted) for c in dear.cycles)
+        assert all(c.tree_nodes == 0 for c in dear.cycles) and any(c.drafted for c in dear.cycles)
 
 
 def test_trees_refuse_what_they_cannot_do():
