@@ -61,7 +61,8 @@ BENCH := $(PY) -m dflash_core bench --max-new-tokens 256
 benchmarks: bench
 	$(BENCH) --prompts humaneval --limit 10 --block-size 16 --methods dflash,dflash_tree,dflash_adaptive,dflash_tree_adaptive,ar \
 	  --out runs/bench/humaneval-b16-tree
-	$(BENCH) --prompts heldout --limit 20 --block-size 16 --methods dflash,dflash_adaptive,ar --out runs/bench/heldout-b16
+	$(BENCH) --prompts heldout --limit 20 --block-size 16 --methods dflash,dflash_adaptive,dflash_tree,dflash_tree_adaptive,ar \
+	  --out runs/bench/heldout-b16
 	$(BENCH) --prompts humaneval --limit 10 --block-size 8 --methods dflash,ar --out runs/bench/humaneval-b8
 	$(BENCH) --prompts humaneval --limit 10 --block-size 16 --temperature 0.7 --rules match,pq --methods dflash,ar --out runs/bench/humaneval-t0.7
 	$(BENCH) --prompts humaneval --limit 10 --block-size 16 --temperature 1.0 --rules match,pq --methods dflash,ar --out runs/bench/humaneval-t1.0

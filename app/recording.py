@@ -32,6 +32,7 @@ class CycleRecord:
     verify_s: float
     at_s: float  # wall-clock time since the run started when the cycle ended
     tokens_so_far: int
+    tree_nodes: int = 0  # drafts verified as a tree (``drafted`` is one path through them); 0: a chain
 
 
 @dataclass
@@ -105,7 +106,7 @@ class RunRecord:
                 index=event.index, drafted=convert(event.drafted), confidence=list(event.draft_confidence),
                 num_accepted=event.num_accepted, bonus=convert([event.bonus])[0],
                 target_choices=convert(event.target_choices), committed=len(ids), draft_s=event.draft_s,
-                verify_s=event.verify_s, at_s=now, tokens_so_far=event.tokens_so_far,
+                verify_s=event.verify_s, at_s=now, tokens_so_far=event.tokens_so_far, tree_nodes=event.tree_nodes,
             ))
         self.timeline.append((now, self.num_tokens))
         self.elapsed_s = now

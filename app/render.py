@@ -57,6 +57,11 @@ def cycle_html(cycle: CycleRecord) -> str:
                  f"{_esc(_visible(cycle.bonus))}</span>")
     header = (f'<span class="dfs-cyc">#{cycle.index}</span> <b>{cycle.num_accepted + 1}</b> token(s) '
               f'· draft {cycle.draft_s * 1000:.0f} ms · verify {cycle.verify_s * 1000:.0f} ms')
+    if cycle.tree_nodes:
+        others = cycle.tree_nodes - len(cycle.drafted)
+        header += (f' · <span class="dfs-tree" title="the target checked a tree of drafts in one pass; shown: the path '
+                   f'it followed, then the likeliest drafts below">tree of {cycle.tree_nodes} drafts '
+                   f'({others} on other branches)</span>')
     return f'<div class="dfs-cycle"><div class="dfs-cycle-head">{header}</div><div>{"".join(chips)}</div></div>'
 
 

@@ -349,7 +349,16 @@ def _draft_tree(logits: torch.Tensor, columns: torch.Tensor | None, anchor: int,
             leaves += 1 if parent in has_child or not has_child else 0  # a new branch, or the first node
             has_child.add(parent)
             extra.append(0.0 if leaves < 2 else tree_costs[0] + tree_costs[1] * (leaves - 2))
-        keep = best_count(tree.scores[1:], verify_costs, t1_cost, extra) + 1
+        keep, rate = best_count_and_rate(tree.scores[1:], verify_costs, t1_cost, extra)
+        # A prefix of the best-first order stops the chain where the first branch would come; a
+        # longer chain of top drafts may pay better than any branching.
+        chain_probs = top_probs[:, 0].tolist()
+        chain_keep, chain_rate = best_count_and_rate(torch.tensor(chain_probs).cumprod(0).tolist(), verify_costs, t1_cost)
+        if chain_rate > rate:
+            tokens = [anchor] + top_ids[:chain_keep, 0].tolist()
+            scores = [1.0] + torch.tensor(chain_probs[:chain_keep]).cumprod(0).tolist()
+            return DraftTree(tokens, list(range(-1, chain_keep)), list(range(chain_keep + 1)), scores)
+        keep += 1
         tree = DraftTree(tree.tokens[:keep], tree.parents[:keep], tree.depths[:keep], tree.scores[:keep])
     return depth_first(tree)
 
@@ -366,10 +375,16 @@ def _shown_path(tree: DraftTree, kept: list[int]) -> list[int]:
 
 def best_count(gains: Sequence[float], verify_costs: Sequence[float], t1_cost: float = 0.0,
                extra_costs: Sequence[float] | None = None) -> int:
+    """See ``best_count_and_rate``."""
+    return best_count_and_rate(gains, verify_costs, t1_cost, extra_costs)[0]
+
+
+def best_count_and_rate(gains: Sequence[float], verify_costs: Sequence[float], t1_cost: float = 0.0,
+                        extra_costs: Sequence[float] | None = None) -> tuple[int, float]:
     """How many drafts to verify when the ``i``-th adds ``gains[i]`` expected tokens and ``k``
     drafts cost ``verify_costs[k]`` (a block of ``k + 1``) plus ``t1_cost`` (plus
     ``extra_costs[k - 1]``): the ``k`` that maximises expected tokens per second (0: verify the
-    anchor alone)."""
+    anchor alone), and that rate."""
     k_max = min(len(gains), len(verify_costs) - 1)
     best_k, best_rate, expected = 0, 1.0 / (t1_cost + verify_costs[0]), 1.0
     for k in range(1, k_max + 1):
@@ -377,7 +392,7 @@ def best_count(gains: Sequence[float], verify_costs: Sequence[float], t1_cost: f
         rate = expected / (t1_cost + verify_costs[k] + (extra_costs[k - 1] if extra_costs else 0.0))
         if rate > best_rate:
             best_k, best_rate = k, rate
-    return best_k
+    return best_k, best_rate
 
 
 def choose_draft_length(confidence: torch.Tensor, verify_costs: Sequence[float], t1_cost: float = 0.0) -> int:

@@ -10,6 +10,8 @@ Two runners share one small interface (``TargetRunner``):
   logits of a position are bit-for-bit the same whether the position is verified alone
   (autoregressive decoding) or inside a block of 16. Greedy DFlash therefore reproduces the
   engine's own greedy autoregressive output exactly, in bf16 as in fp32 (tested).
+  ``forward_tree`` scores a whole draft tree in one pass with the same per-row arithmetic
+  (see ``tree.py``), so tree verification is exactly greedy decoding too.
 * ``HFTarget`` — any ``transformers`` causal LM through its own forward and ``DynamicCache``
   (rollback with ``crop``). Exact in fp32 in practice; in bf16, blocks and single tokens may round
   differently, so outputs can part at near-ties (the benchmark reports it).

@@ -3,7 +3,7 @@
     python scripts/gpu_check.py --out runs/gpu_check.json
 
 Checks, on CUDA: greedy DFlash == greedy AR for the fast and the generic runner, in bf16 and
-fp32, block sizes 2..16, with a random and an oracle drafter; drafter on the CPU with the target
+fp32, block sizes 2..16 (chains; trees too on the fast runner), with a random and an oracle drafter; drafter on the CPU with the target
 on the GPU (different devices); a 4-bit bitsandbytes target when bitsandbytes is installed.
 Speed: CUDA-event timing of AR vs DFlash with the oracle drafter (every draft accepted), which
 shows what the loop costs when the drafter is perfect. Exit status 1 when any check fails.
@@ -48,14 +48,16 @@ def main() -> None:
                 model.to("cuda")
                 oracle = OracleDrafter(base, prompt + ar.token_ids).to(drafter_device, dtype)
                 for block in (2, 4, 8, 16):
-                    cfg = GenerationConfig(max_new_tokens=64, block_size=block).validated(16)
-                    for name, drafter in (("random", base), ("oracle", oracle)):
-                        out = collect(stream(runner, drafter, prompt, cfg))
-                        ok = out.token_ids == ar.token_ids
-                        failures += not ok
-                        report["checks"].append({"dtype": str(dtype), "runner": runner_name, "drafter": name,
-                                                 "drafter_device": drafter_device, "block": block, "lossless": ok,
-                                                 "tau": round(out.tau, 3)})
+                    # Tree verification needs the fast runner (HFTarget refuses it).
+                    for tree in (False, True) if runner_name == "fast" else (False,):
+                        cfg = GenerationConfig(max_new_tokens=64, block_size=block, tree=tree).validated(16)
+                        for name, drafter in (("random", base), ("oracle", oracle)):
+                            out = collect(stream(runner, drafter, prompt, cfg))
+                            ok = out.token_ids == ar.token_ids
+                            failures += not ok
+                            report["checks"].append({"dtype": str(dtype), "runner": runner_name, "drafter": name,
+                                                     "drafter_device": drafter_device, "block": block, "tree": tree,
+                                                     "lossless": ok, "tau": round(out.tau, 3)})
         if dtype == torch.bfloat16:
             runner = FastTarget(model)
             timer = Timer(torch.device("cuda"))

@@ -222,6 +222,12 @@ def test_real_browser_runs_a_generation_and_shows_coloured_tokens_and_plots(app_
         status = wait_until_idle(Client(app_url, verbose=False), default_pair(), timeout=60)
         assert not status["busy"] and status["last_run"]["finish_reason"] == "abandoned", status
         assert status["last_run"]["tokens"] < 1500
-        generate(open_studio(browser, app_url), "Say hi.", until="done")
+        page = open_studio(browser, app_url)
+        generate(page, "Say hi.", until="done")
+        # Tree verification: the cycle log names the trees, and the output equals the baseline's.
+        page.locator("#dfs-tree input[type=checkbox]").check()
+        generate(page, "Write a Python function that multiplies two numbers.", until="done", max_new_tokens=64)
+        assert "tree of" in page.locator("#dfs-log").inner_text()
+        assert "identical output" in page.locator("#dfs-speedup").inner_text()
         browser.close()
     assert shot.stat().st_size > 10_000
