@@ -22,10 +22,10 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from . import acceptance
-from .tree import BRANCHING, DraftTree, build_tree, depth_first, walk
 from .drafter import DFlashDrafter
 from .errors import SettingsError
 from .target import TargetRunner
+from .tree import BRANCHING, DraftTree, build_tree, depth_first, walk
 
 RULES = ("match", "pq")
 MAX_TEMPERATURE = 10.0
@@ -268,7 +268,8 @@ def stream(
                 shown = _shown_path(tree, kept)
                 yield CycleEvent(index, start + 1, [tree.tokens[n] for n in shown[1:]],
                                  [tree.scores[n] / tree.scores[tree.parents[n]] for n in shown[1:]],
-                                 [choices[n] for n in shown], a, bonus_id, committed, t1 - t0, t2 - t1, produced, reason, tree_nodes=len(tree) - 1)
+                                 [choices[n] for n in shown], a, bonus_id, committed, t1 - t0, t2 - t1, produced,
+                                 reason, tree_nodes=len(tree) - 1)
                 if reason:
                     return
                 last = bonus_id
@@ -373,12 +374,6 @@ def _shown_path(tree: DraftTree, kept: list[int]) -> list[int]:
         path.append(children[0])  # depth-first order lists children best first
 
 
-def best_count(gains: Sequence[float], verify_costs: Sequence[float], t1_cost: float = 0.0,
-               extra_costs: Sequence[float] | None = None) -> int:
-    """See ``best_count_and_rate``."""
-    return best_count_and_rate(gains, verify_costs, t1_cost, extra_costs)[0]
-
-
 def best_count_and_rate(gains: Sequence[float], verify_costs: Sequence[float], t1_cost: float = 0.0,
                         extra_costs: Sequence[float] | None = None) -> tuple[int, float]:
     """How many drafts to verify when the ``i``-th adds ``gains[i]`` expected tokens and ``k``
@@ -406,7 +401,7 @@ def choose_draft_length(confidence: torch.Tensor, verify_costs: Sequence[float],
     k_max = min(len(confidence), len(verify_costs) - 1)
     if k_max <= 0:
         return 0
-    return best_count(torch.cumprod(confidence[:k_max].float(), 0).tolist(), verify_costs, t1_cost)
+    return best_count_and_rate(torch.cumprod(confidence[:k_max].float(), 0).tolist(), verify_costs, t1_cost)[0]
 
 
 def measure_verify_costs(target: TargetRunner, max_block: int, context: int = 128, repeats: int = 3) -> list[float]:

@@ -403,16 +403,18 @@ class FastTarget:
     @torch.inference_mode()
     def forward_tree(self, tree: DraftTree, layer_ids: Sequence[int] | None) -> TargetOutput:
         """Score every node of a draft tree in one pass (see ``tree.py``); logits and features
-        come in node order. ``tree`` must be depth-first (``tree.depth_first``). Call
-        ``keep_path`` next: it moves the kept nodes' K/V into place.
+        come in node order. ``tree`` must be depth-first (``dflash_core.tree.depth_first``).
+        Call ``keep_path`` next: it moves the kept nodes' K/V into place.
 
         Node ``n`` sits at position ``length + depth(n)`` and sees the cached positions and its
         own ancestors. Its arithmetic is what autoregressive decoding of its path does: its
         attention row is laid out as if its ancestors filled the positions after the cache
-        (scores gathered into that order; values put into that order once per root-to-leaf
-        path: depth-first, a path differs from the one before only in its own contiguous run of
-        nodes), so the cache span, the masking and the order of every sum are those of ``forward``. Greedy tree verification is therefore
-        exactly the target's greedy decoding, as the chain is (tested in bf16 and fp32).
+        (scores gathered into that order; values read in that order: the first path's from the
+        cache itself, every other path's from its own copy of the value cache with the path
+        written in), so the cache span, the masking and the order of every sum are those of
+        ``forward``. In bf16 every node's logits and features equal, bit for bit, those of
+        decoding its path token by token, so greedy tree verification is exactly the target's
+        greedy decoding (tested); in fp32 they agree within rounding, as a chain's do.
         """
         groups = tree.leaf_groups()
         runs = [nodes for _, nodes in groups]
