@@ -76,7 +76,7 @@ def result_json(engine: Any, result: Any, mode: str, prompt_tokens: int) -> dict
     tokens = result.token_ids
     cycles = [
         {"drafted": e.drafted, "num_accepted": e.num_accepted, "bonus": e.bonus, "committed": e.committed,
-         "draft_s": round(e.draft_s, 6), "verify_s": round(e.verify_s, 6)}
+         "draft_s": round(e.draft_s, 6), "verify_s": round(e.verify_s, 6), "tree_nodes": e.tree_nodes}
         for e in result.cycles
     ] if mode == "dflash" else []
     return {

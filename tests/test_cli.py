@@ -45,6 +45,12 @@ def test_default_pair_greedy_dflash_equals_ar(capsys, prompt):
     assert dflash["finish_reason"] in ("stop", "length")
     adaptive = run_json(capsys, "generate", "--json", "--prompt", prompt, "--max-new-tokens", "96", "--adaptive")
     assert adaptive["token_ids"] == ar["token_ids"]
+    # Tree verification on the real bf16 pair: the same tokens, and the trees really branched.
+    tree = run_json(capsys, "generate", "--json", "--prompt", prompt, "--max-new-tokens", "96", "--tree")
+    assert tree["token_ids"] == ar["token_ids"]
+    assert any(c["tree_nodes"] > len(c["drafted"]) for c in tree["cycles"])
+    tree_adaptive = run_json(capsys, "generate", "--json", "--prompt", prompt, "--max-new-tokens", "96", "--tree", "--adaptive")
+    assert tree_adaptive["token_ids"] == ar["token_ids"]
 
 
 def test_generate_json_has_the_documented_fields(capsys):
