@@ -17,17 +17,19 @@ def test_bench_writes_results_and_report(tmp_path, capsys):
     out = tmp_path / "bench"
     code = cli.main(["bench", "--pair", "smollm2-135m-random", "--prompts", str(prompts), "--limit", "2",
                      "--max-new-tokens", "12", "--out", str(out),
-                     "--methods", "dflash,ar,hf_generate,prompt_lookup,dflash_adaptive"])
+                     "--methods", "dflash,ar,hf_generate,prompt_lookup,dflash_adaptive,dflash_tree,dflash_tree_adaptive"])
     assert code == 0, capsys.readouterr().err
     data = json.loads((out / "results.json").read_text())
     summary = data["summary"]
     for key in ("tau", "speedup_vs_ar", "speedup_vs_hf_generate", "speedup_vs_prompt_lookup", "lossless",
-                "acceptance_histogram", "mean_draft_ms", "mean_verify_ms", "tokens_per_s", "tau_adaptive"):
+                "acceptance_histogram", "mean_draft_ms", "mean_verify_ms", "tokens_per_s", "tau_adaptive",
+                "tau_tree", "speedup_dflash_tree_vs_ar", "tau_tree_adaptive", "speedup_dflash_tree_adaptive_vs_ar"):
         assert key in summary, key
     assert summary["lossless"] is True
     assert len(data["prompts"]) == 2
     assert all(p["dflash_equals_ar"] for p in data["prompts"])
-    assert set(data["prompts"][0]["methods"]) == {"dflash", "ar", "hf_generate", "prompt_lookup", "dflash_adaptive"}
+    assert set(data["prompts"][0]["methods"]) == {"dflash", "ar", "hf_generate", "prompt_lookup", "dflash_adaptive",
+                                                  "dflash_tree", "dflash_tree_adaptive"}
     assert "plotly" in (out / "report.html").read_text()
     assert "speedup vs AR" in (out / "summary.md").read_text()
 
@@ -55,3 +57,23 @@ def test_bench_refuses_bad_prompt_files(tmp_path, capsys):
     bad.write_text('{"text": "no prompt field"}\n')
     assert cli.main(["bench", "--prompts", str(bad), "--out", str(tmp_path / "o")]) == 2
     assert "'prompt' field" in capsys.readouterr().err
+
+
+def test_a_greedy_variant_that_differs_from_ar_is_reported_by_name():
+    from dflash_core.bench.runner import MethodRun, PromptRecord, summarize
+    from dflash_core.speculative import GenerationResult
+
+    def run(name: str, tokens: list[int], seconds: float) -> MethodRun:
+        return MethodRun(name, tokens, seconds, result=GenerationResult(tokens, "length"))
+
+    def record(index: int, tree_tokens: list[int]) -> PromptRecord:
+        r = PromptRecord(index, 5)
+        r.runs = {"ar": run("ar", [1, 2, 3], 1.0), "dflash": run("dflash", [1, 2, 3], 0.5),
+                  "dflash_tree": run("dflash_tree", tree_tokens, 0.4)}
+        return r
+
+    same = summarize([record(0, [1, 2, 3]), record(1, [1, 2, 3])], block_size=16, temperature=0.0)
+    assert same["lossless"] is True and same["mismatched_by_method"] == {}
+    differs = summarize([record(0, [1, 2, 3]), record(1, [1, 2, 4])], block_size=16, temperature=0.0)
+    assert differs["lossless"] is False
+    assert differs["mismatched_prompts"] == [1] and differs["mismatched_by_method"] == {"dflash_tree": [1]}

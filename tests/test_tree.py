@@ -150,3 +150,15 @@ def test_trees_refuse_what_they_cannot_do():
     model = tiny_target("llama")
     with pytest.raises(SettingsError, match="fast target runner"):
         collect(stream(HFTarget(model), tiny_drafter(model), PROMPTS[0], GenerationConfig(block_size=4, tree=True).validated(16)))
+
+
+def test_tree_costs_are_measured_on_the_runner():
+    from dflash_core.speculative import measure_tree_costs
+
+    runner = FastTarget(tiny_target("llama"))
+    branching, per_path = measure_tree_costs(runner, 16, context=32, repeats=2)
+    assert branching >= 0 and per_path >= 0 and branching + per_path < 1.0
+    assert measure_tree_costs(runner, 3) == (0.0, 0.0)
+    # The runner is left usable: a fresh sequence decodes as before.
+    ar = collect(stream(runner, None, PROMPTS[0], GenerationConfig(max_new_tokens=8, block_size=1).validated(16)))
+    assert len(ar.token_ids) == 8
