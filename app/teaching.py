@@ -32,7 +32,12 @@ def explanation_md() -> str:
         "token.\n\n"
         "Speedup: **S = τ · t_AR / (t_draft + t_verify)**, where τ is the mean number of tokens a cycle commits, "
         "t_AR the time of one plain decoding step, and t_draft, t_verify the two phases of a cycle. Verifying 16 "
-        "tokens costs little more than decoding one, so τ is what buys the speed."
+        "tokens costs little more than decoding one, so τ is what buys the speed.\n\n"
+        "**Trees** (the *Tree verification* box of the Live tab): the drafter scores every slot on its own, so "
+        "besides its top token it has runners-up. Instead of one chain, the 15 verified slots can hold a *tree* "
+        "of the likeliest continuations; the target checks all its branches in the same single pass (each "
+        "branch sees only its own ancestors) and keeps the longest branch it agrees with. The output is still "
+        "exactly the target's."
     )
 
 
