@@ -33,6 +33,9 @@ from .tree import DraftTree
 FAST_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 CAPACITY_ALIGN = 64  # cache capacity granularity (positions)
 PREFILL_CHUNK = 512  # longest slice of a prompt FastTarget processes at once
+# Most memory tree verification may hold in per-path copies of the value cache (see
+# FastTarget.forward_tree); above it, paths take turns in the cache itself (more, smaller ops).
+REPLICA_BYTES = 256 << 20
 
 
 @dataclass
@@ -411,7 +414,8 @@ class FastTarget:
         attention row is laid out as if its ancestors filled the positions after the cache
         (scores gathered into that order; values read in that order: the first path's from the
         cache itself, every other path's from its own copy of the value cache with the path
-        written in), so the cache span, the masking and the order of every sum are those of
+        written in, or, when those copies would pass ``REPLICA_BYTES``, from the cache itself
+        with the path written in, one path at a time), so the cache span, the masking and the order of every sum are those of
         ``forward``. In bf16 every node's logits and features equal, bit for bit, those of
         decoding its path token by token, so greedy tree verification is exactly the target's
         greedy decoding (tested); in fp32 they agree within rounding, as a chain's do.
@@ -442,7 +446,18 @@ class FastTarget:
         main = max(len(groups[0][1]), self._min_rows)
         others = groups[1:]
         paths = len(others)
-        if paths:
+        cap = self._capacity
+        replica_bytes = self.num_layers * paths * self.num_kv_heads * cap * self.head_dim * self._v.element_size()
+        use_replicas = paths > 0 and replica_bytes <= REPLICA_BYTES
+        if paths and not use_replicas:
+            # Depth-first, path p's run [a, b) sits at depths depth(a)..; below depth(a) the path
+            # before it left exactly p's ancestors in the cache.
+            turns = []
+            for _, nodes in others:
+                a, b = nodes[0], nodes[-1] + 1
+                first = max(0, min(a, b - self._min_rows))
+                turns.append((tree.depths[a], first, a, b, max(b, min(t, first + self._min_rows))))
+        if use_replicas:
             width = max(max(len(nodes) for _, nodes in others), self._min_rows)
             firsts = [min(nodes[0], t - width) for _, nodes in others]
             window = torch.tensor(firsts, device=self.device)[:, None] + torch.arange(width, device=self.device)
@@ -456,7 +471,6 @@ class FastTarget:
             replicas = self._value_replicas(paths, start)
         h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
         group = h // kv
-        cap = self._capacity
         positions = start + depths
         cos, sin = self._cos[positions], self._sin[positions]
         hidden_mask = ~(torch.arange(cap, device=self.device)[None, :] <= positions[:, None])  # (T, cap)
@@ -486,11 +500,17 @@ class FastTarget:
             else:
                 att = torch.empty(t, kv, group, d, dtype=self.dtype, device=self.device)
                 att[:main] = first.view(kv, main, group, d).transpose(0, 1)
-                layer_replicas = replicas[li, :paths]  # (paths, kv, cap, d)
-                layer_replicas[write_path, :, write_pos] = values[:, write_node].transpose(0, 1)
-                chosen = probs[:, window].transpose(0, 1).reshape(paths * kv, width * group, cap)
-                out = torch.bmm(chosen, layer_replicas.view(paths * kv, cap, d)).view(paths, kv, width, group, d)
-                att[picked] = out[pick[0], :, pick[1]]  # (nodes, kv, group, d)
+                if use_replicas:
+                    layer_replicas = replicas[li, :paths]  # (paths, kv, cap, d)
+                    layer_replicas[write_path, :, write_pos] = values[:, write_node].transpose(0, 1)
+                    chosen = probs[:, window].transpose(0, 1).reshape(paths * kv, width * group, cap)
+                    out = torch.bmm(chosen, layer_replicas.view(paths * kv, cap, d)).view(paths, kv, width, group, d)
+                    att[picked] = out[pick[0], :, pick[1]]  # (nodes, kv, group, d)
+                else:  # one path at a time, its run written into the cache (keep_path restores it)
+                    for depth, lo, a, b, hi in turns:
+                        self._v[li, :, start + depth : start + depth + b - a] = values[:, a:b]
+                        part = torch.matmul(probs[:, lo:hi].reshape(kv, (hi - lo) * group, cap), self._v[li])
+                        att[a:b] = part.view(kv, hi - lo, group, d).transpose(0, 1)[a - lo : b - lo]
                 if t > real:  # padding rows: copies of the last node
                     att[real:] = att[real - 1 : real]
             x = self.finish_layer(layer, x, att.reshape(t, h * d))

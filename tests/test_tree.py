@@ -56,9 +56,14 @@ def test_walk_follows_the_target_choices():
     assert walk(tree, [10, 5, 0, 0, 0]) == ([0, 1], 5)
 
 
+@pytest.mark.parametrize("replicas", [True, False], ids=["value-replicas", "paths-in-turn"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_a_tree_pass_scores_every_node_as_decoding_its_path_does(family, dtype):
+def test_a_tree_pass_scores_every_node_as_decoding_its_path_does(family, dtype, replicas, monkeypatch):
+    from dflash_core import target as target_module
+
+    if not replicas:  # as for a long context or a large model: no room for per-path value copies
+        monkeypatch.setattr(target_module, "REPLICA_BYTES", 0)
     model = tiny_target(family, dtype=dtype)
     runner = FastTarget(model)
     prompt = PROMPTS[0]
