@@ -464,9 +464,9 @@ class FastTarget:
             owner = [p for p, (_, nodes) in enumerate(others) for _ in nodes]
             rows = [n for _, nodes in others for n in nodes]
             pick = (torch.tensor(owner, device=self.device), torch.tensor([r - firsts[p] for r, p in zip(rows, owner)], device=self.device))
-            picked = slice(len(groups[0][1]), real)
             write_path = torch.tensor([p for p, (path, _) in enumerate(others) for _ in path], device=self.device)
             write_node = torch.tensor([n for path, _ in others for n in path], device=self.device)
+            pad_rows = torch.full((t - real,), real - 1, device=self.device) if t > real else None
             write_pos = start + torch.tensor([tree.depths[n] for path, _ in others for n in path], device=self.device)
             replicas = self._value_replicas(paths, start)
         h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
@@ -495,22 +495,25 @@ class FastTarget:
             values = self._v[li, :, start:end].clone()  # (kv, real, d), node order
             tree_values.append(values)
             first = torch.matmul(probs[:, :main].reshape(kv, main * group, cap), self._v[li])
+            first = first.view(kv, main, group, d).transpose(0, 1)  # (rows, kv, group, d)
             if not paths:  # a chain (with its padding rows, if any)
-                att = first.view(kv, main, group, d).transpose(0, 1)
-            else:
+                att = first
+            elif use_replicas:
+                layer_replicas = replicas[li, :, :paths]  # (kv, paths, cap, d)
+                layer_replicas[:, write_path, write_pos] = v[write_node].transpose(0, 1)
+                chosen = probs[:, window].view(kv * paths, width * group, cap)
+                out = torch.bmm(chosen, layer_replicas.reshape(kv * paths, cap, d)).view(kv, paths, width, group, d)
+                parts = [first[: len(groups[0][1])], out[:, pick[0], pick[1]].transpose(0, 1)]
+                if pad_rows is not None:  # padding rows: copies of the last node
+                    parts.append(parts[-1][-1:].expand(t - real, -1, -1, -1))
+                att = torch.cat(parts)
+            else:  # one path at a time, its run written into the cache (keep_path restores it)
                 att = torch.empty(t, kv, group, d, dtype=self.dtype, device=self.device)
-                att[:main] = first.view(kv, main, group, d).transpose(0, 1)
-                if use_replicas:
-                    layer_replicas = replicas[li, :paths]  # (paths, kv, cap, d)
-                    layer_replicas[write_path, :, write_pos] = values[:, write_node].transpose(0, 1)
-                    chosen = probs[:, window].transpose(0, 1).reshape(paths * kv, width * group, cap)
-                    out = torch.bmm(chosen, layer_replicas.view(paths * kv, cap, d)).view(paths, kv, width, group, d)
-                    att[picked] = out[pick[0], :, pick[1]]  # (nodes, kv, group, d)
-                else:  # one path at a time, its run written into the cache (keep_path restores it)
-                    for depth, lo, a, b, hi in turns:
-                        self._v[li, :, start + depth : start + depth + b - a] = values[:, a:b]
-                        part = torch.matmul(probs[:, lo:hi].reshape(kv, (hi - lo) * group, cap), self._v[li])
-                        att[a:b] = part.view(kv, hi - lo, group, d).transpose(0, 1)[a - lo : b - lo]
+                att[:main] = first
+                for depth, lo, a, b, hi in turns:
+                    self._v[li, :, start + depth : start + depth + b - a] = values[:, a:b]
+                    part = torch.matmul(probs[:, lo:hi].reshape(kv, (hi - lo) * group, cap), self._v[li])
+                    att[a:b] = part.view(kv, hi - lo, group, d).transpose(0, 1)[a - lo : b - lo]
                 if t > real:  # padding rows: copies of the last node
                     att[real:] = att[real - 1 : real]
             x = self.finish_layer(layer, x, att.reshape(t, h * d))
@@ -522,19 +525,19 @@ class FastTarget:
         return TargetOutput(self.logits(x[:real]), features)
 
     def _value_replicas(self, paths: int, start: int) -> torch.Tensor:
-        """(layers, >= paths, kv, capacity, D) copies of the value cache, the first ``paths``
+        """(layers, kv, >= paths, capacity, D) copies of the value cache, the first ``paths``
         valid before ``start``. Kept between calls: each replica copies in only the positions
         committed since it was last used."""
         old = self._replicas
-        if old is None or old.shape[1] < paths or old.shape[3] != self._capacity:
-            count = paths if old is None or old.shape[1] < paths else old.shape[1]
-            shape = (self.num_layers, max(count, 8), self.num_kv_heads, self._capacity, self.head_dim)
+        if old is None or old.shape[2] < paths or old.shape[3] != self._capacity:
+            count = paths if old is None or old.shape[2] < paths else old.shape[2]
+            shape = (self.num_layers, self.num_kv_heads, max(count, 8), self._capacity, self.head_dim)
             self._replicas = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            self._replicas_valid = [0] * shape[1]
+            self._replicas_valid = [0] * shape[2]
         for p in range(paths):
             valid = self._replicas_valid[p]
             if valid < start:
-                self._replicas[:, p, :, valid:start] = self._v[:, :, valid:start]
+                self._replicas[:, :, p, valid:start] = self._v[:, :, valid:start]
             self._replicas_valid[p] = start
         return self._replicas
 
