@@ -247,34 +247,15 @@ def stream(
         draft = torch.empty(0, dtype=torch.long, device=target.device)
         conf = torch.empty(0, device=target.device)
         draft_probs = None
+        tree = None
         if size > 1 and use_tree:
             logits, columns = _draft_block(drafter, target, cache, last, start, size, context, context_start)
             tree = _draft_tree(logits, columns, last, size - 1, verify_costs if config.adaptive else None,
                                clock.now() - t0, tree_costs)
-            if tree.is_chain():  # verified as a chain: the plain forward is cheaper
+            if tree.is_chain():  # verified as a chain below: the plain forward is cheaper
                 draft = torch.tensor(tree.tokens[1:], dtype=torch.long, device=target.device)
                 conf = torch.tensor([tree.scores[n] / tree.scores[n - 1] for n in range(1, len(tree))], device=target.device)
-            else:
-                t1 = clock.now()
-                out = target.forward_tree(tree, layer_ids)
-                choices = choose(out.logits).tolist()  # the cycle's one host transfer
-                kept, bonus_id = walk(tree, choices)
-                t2 = clock.now()
-                a = len(kept) - 1
-                committed, reason = finish([tree.tokens[n] for n in kept[1:]] + [bonus_id], produced)
-                produced += len(committed)
-                target.keep_path(kept)
-                context, context_start = out.features[kept], start
-                shown = _shown_path(tree, kept)
-                yield CycleEvent(index, start + 1, [tree.tokens[n] for n in shown[1:]],
-                                 [tree.scores[n] / tree.scores[tree.parents[n]] for n in shown[1:]],
-                                 [choices[n] for n in shown], a, bonus_id, committed, t1 - t0, t2 - t1, produced,
-                                 reason, tree_nodes=len(tree) - 1)
-                if reason:
-                    return
-                last = bonus_id
-                start += a + 1
-                continue
+                tree = None
         elif size > 1:
             logits, columns = _draft_block(drafter, target, cache, last, start, size, context, context_start)
             if sampling and config.rule == "pq":
@@ -292,40 +273,53 @@ def stream(
                 if draft_probs is not None:
                     draft_probs = draft_probs[:keep]
         t1 = clock.now()
-        block = torch.cat((torch.tensor([last], device=target.device), draft))
-        out = target.forward(block, layer_ids)
-        if not sampling:
-            accepted, bonus, choices = acceptance.greedy(draft, out.logits)
+        if tree is not None:
+            out = target.forward_tree(tree, layer_ids)
+            choices = choose(out.logits).tolist()  # the cycle's one host transfer
+            kept, bonus_id = walk(tree, choices)
+            t2 = clock.now()
+            a = len(kept) - 1
+            # The event shows one path: the kept nodes, then the likeliest drafts below them.
+            shown = _shown_path(tree, kept)
+            drafted = [tree.tokens[n] for n in shown[1:]]
+            confidence = [tree.scores[n] / tree.scores[tree.parents[n]] for n in shown[1:]]
+            target_choices = [choices[n] for n in shown]
+            target.keep_path(kept)
+            kept_features = out.features[kept]
         else:
-            target_probs = acceptance.warp(out.logits, config.temperature, config.top_p, config.top_k)
-            if draft_probs is not None:
-                accepted, bonus = acceptance.pq(draft, draft_probs, target_probs, generator, columns)
-                choices = None
+            block = torch.cat((torch.tensor([last], device=target.device), draft))
+            out = target.forward(block, layer_ids)
+            if not sampling:
+                accepted, bonus, choices = acceptance.greedy(draft, out.logits)
             else:
-                accepted, bonus, choices = acceptance.match(draft, target_probs, generator)
-        # One host transfer for the whole cycle (token ids are exact in float32 below 2**24).
-        k = len(draft)
-        choices = choices if choices is not None else draft[:0]
-        packed = torch.cat((accepted.view(1), bonus.view(1), draft, choices)).float()
-        values = torch.cat((packed, conf.float())).tolist()
-        t2 = clock.now()
-        a, bonus_id = int(values[0]), int(values[1])
-        drafted = [int(v) for v in values[2 : 2 + k]]
-        target_choices = [int(v) for v in values[2 + k : 2 + k + len(choices)]]
-        confidence = values[2 + k + len(choices) :]
-        new = drafted[:a] + [bonus_id]
-        committed, reason = finish(new, produced)
+                target_probs = acceptance.warp(out.logits, config.temperature, config.top_p, config.top_k)
+                if draft_probs is not None:
+                    accepted, bonus = acceptance.pq(draft, draft_probs, target_probs, generator, columns)
+                    choices = None
+                else:
+                    accepted, bonus, choices = acceptance.match(draft, target_probs, generator)
+            # One host transfer for the whole cycle (token ids are exact in float32 below 2**24).
+            k = len(draft)
+            choices = choices if choices is not None else draft[:0]
+            packed = torch.cat((accepted.view(1), bonus.view(1), draft, choices)).float()
+            values = torch.cat((packed, conf.float())).tolist()
+            t2 = clock.now()
+            a, bonus_id = int(values[0]), int(values[1])
+            drafted = [int(v) for v in values[2 : 2 + k]]
+            target_choices = [int(v) for v in values[2 + k : 2 + k + len(choices)]]
+            confidence = values[2 + k + len(choices) :]
+            # update: positions start..start+a hold the kept tokens; everything after is forgotten.
+            target.truncate(start + a + 1)
+            kept_features = out.features[: a + 1] if speculative else None
+        committed, reason = finish(drafted[:a] + [bonus_id], produced)
         produced += len(committed)
-        # update: positions start..start+a hold the kept tokens; everything after is forgotten.
-        target.truncate(start + a + 1)
         if speculative:
-            kept = out.features[: a + 1]
             if size > 1:  # the drafter has now seen the old context
-                context, context_start = kept, start
+                context, context_start = kept_features, start
             else:
-                context = torch.cat((context, kept))
+                context = torch.cat((context, kept_features))
         yield CycleEvent(index, start + 1, drafted, confidence, target_choices, a, bonus_id, committed,
-                         t1 - t0, t2 - t1, produced, reason)
+                         t1 - t0, t2 - t1, produced, reason, tree_nodes=len(tree) - 1 if tree is not None else 0)
         if reason:
             return
         last = bonus_id
@@ -430,7 +424,7 @@ def measure_tree_costs(target: TargetRunner, max_block: int, context: int = 128,
     if max_block < 4:
         return 0.0, 0.0
     clock = _Clock(target.device)
-    ids = (torch.arange(context, dtype=torch.long) % 1000 + 10)
+    ids = torch.arange(context, dtype=torch.long) % 1000 + 10
     nodes = list(range(max_block))
     tokens = [20 + n for n in nodes]
     chain = DraftTree(tokens, [n - 1 for n in nodes], nodes, [1.0] * max_block)

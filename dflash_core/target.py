@@ -417,14 +417,13 @@ class FastTarget:
         (scores gathered into that order; values read in that order: the first path's from the
         cache itself, every other path's from its own copy of the value cache with the path
         written in, or, when those copies would pass ``REPLICA_BYTES``, from the cache itself
-        with the path written in, one path at a time), so the cache span, the masking and the order of every sum are those of
-        ``forward``. In bf16 every node's logits and features equal, bit for bit, those of
+        with the path written in, one path at a time), so the cache span, the masking and the
+        order of every sum are those of ``forward``. In bf16 every node's logits and features equal, bit for bit, those of
         decoding its path token by token, so greedy tree verification is exactly the target's
         greedy decoding (tested); in fp32 they agree within rounding, as a chain's do.
         """
         groups = tree.leaf_groups()
-        runs = [nodes for _, nodes in groups]
-        if [n for nodes in runs for n in nodes] != list(range(len(tree))):
+        if [n for _, nodes in groups for n in nodes] != list(range(len(tree))):
             raise ValueError("forward_tree needs a depth-first tree (dflash_core.tree.depth_first)")
         ids = torch.tensor(tree.tokens, dtype=torch.long, device=self.device)
         real = ids.shape[0]
@@ -468,7 +467,6 @@ class FastTarget:
             pick = (torch.tensor(owner, device=self.device), torch.tensor([r - firsts[p] for r, p in zip(rows, owner)], device=self.device))
             write_path = torch.tensor([p for p, (path, _) in enumerate(others) for _ in path], device=self.device)
             write_node = torch.tensor([n for path, _ in others for n in path], device=self.device)
-            pad_rows = torch.full((t - real,), real - 1, device=self.device) if t > real else None
             write_pos = start + torch.tensor([tree.depths[n] for path, _ in others for n in path], device=self.device)
             replicas = self._value_replicas(paths, start)
         h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
@@ -506,7 +504,7 @@ class FastTarget:
                 chosen = probs[:, window].view(kv * paths, width * group, cap)
                 out = torch.bmm(chosen, layer_replicas.reshape(kv * paths, cap, d)).view(kv, paths, width, group, d)
                 parts = [first[: len(groups[0][1])], out[:, pick[0], pick[1]].transpose(0, 1)]
-                if pad_rows is not None:  # padding rows: copies of the last node
+                if t > real:  # padding rows: copies of the last node
                     parts.append(parts[-1][-1:].expand(t - real, -1, -1, -1))
                 att = torch.cat(parts)
             else:  # one path at a time, its run written into the cache (keep_path restores it)
