@@ -62,6 +62,9 @@ def cycle_html(cycle: CycleRecord) -> str:
         header += (f' · <span class="dfs-tree" title="the target checked a tree of drafts in one pass; shown: the path '
                    f'it followed, then the likeliest drafts below">tree of {cycle.tree_nodes} drafts '
                    f'({others} on other branches)</span>')
+    if cycle.lookup_nodes:
+        header += (f' · <span class="dfs-lookup" title="drafts copied from what followed the last tokens where they '
+                   f'occurred before (prompt lookup), checked in the same pass">{cycle.lookup_nodes} from prompt lookup</span>')
     return f'<div class="dfs-cycle"><div class="dfs-cycle-head">{header}</div><div>{"".join(chips)}</div></div>'
 
 

@@ -86,7 +86,8 @@ class Studio:
                                 temperature=float(temperature) if temperature is not None else 0.0, seed=seed_value)
 
     # ------------------------------------------------------------------- the compare handler
-    def compare(self, pair, prompt, block, temperature, max_new, seed, baseline, adaptive, tree, request: gr.Request):  # noqa: ANN001
+    def compare(self, pair, prompt, block, temperature, max_new, seed, baseline, adaptive, tree, lookup,
+                request: gr.Request):  # noqa: ANN001
         """Generator for the main view; yields a full set of outputs once per cycle."""
         session = getattr(request, "session_hash", None) or "default"
         stop = self.stop_event(session)
@@ -123,7 +124,8 @@ class Studio:
                     yield outputs()
                 else:
                     engine = item
-            cfg = replace(self.config(block, temperature, max_new, seed), adaptive=bool(adaptive), tree=bool(tree))
+            cfg = replace(self.config(block, temperature, max_new, seed), adaptive=bool(adaptive), tree=bool(tree),
+                          lookup=bool(lookup))
             ids, cfg = engine.prepare(prompt, cfg, "dflash")
             ar_cfg = engine.prepare(prompt, cfg, "ar")[1]
         except DFlashError as exc:
@@ -257,6 +259,8 @@ def build_app(service: StudioService | None = None) -> gr.Blocks:
                                            "their cost (drafter confidence vs measured verify time)")
                     tree = gr.Checkbox(value=False, label="Tree verification: check the drafter's likeliest "
                                        "continuations as a tree in one target pass (same output)", elem_id="dfs-tree")
+                    lookup = gr.Checkbox(value=False, label="Prompt lookup: also check, in the same pass, what followed "
+                                         "the last tokens where they occurred before (same output)", elem_id="dfs-lookup")
                     with gr.Row():
                         go_btn = gr.Button("Generate", variant="primary", elem_id="dfs-generate")
                         stop_btn = gr.Button("Stop", variant="stop", elem_id="dfs-stop")
@@ -298,7 +302,8 @@ def build_app(service: StudioService | None = None) -> gr.Blocks:
 
         status_timer.tick(studio.model_status, None, [model_status, status_timer], queue=False, api_visibility="private")
         outputs = [status, d_text, d_counters, a_text, a_counters, speedup, log, p_accept, p_hist, p_phase, p_race]
-        go_btn.click(gpu(studio.compare), [pair, prompt, block, temperature, max_new, seed, baseline, adaptive, tree], outputs,
+        go_btn.click(gpu(studio.compare), [pair, prompt, block, temperature, max_new, seed, baseline, adaptive, tree, lookup],
+                     outputs,
                      concurrency_id="engine", concurrency_limit=1, api_visibility="private")
         stop_btn.click(studio.stop, None, status, queue=False, api_visibility="private")
         t_start.click(gpu(studio.teach_start), [t_pair, t_prompt, t_block, t_max], [t_state, t_step, t_formula, t_text],

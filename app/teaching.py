@@ -37,7 +37,12 @@ def explanation_md() -> str:
         "besides its top token it has runners-up. Instead of one chain, the 15 verified slots can hold a *tree* "
         "of the likeliest continuations; the target checks all its branches in the same single pass (each "
         "branch sees only its own ancestors) and keeps the longest branch it agrees with. The output is still "
-        "exactly the target's."
+        "exactly the target's.\n\n"
+        "**Prompt lookup** (the *Prompt lookup* box): answers often repeat what came before — a function's name, "
+        "its arguments, a phrase of the question. Where the last few tokens occurred earlier, what followed them "
+        "then is a free guess at what follows now. That guess joins the drafter's drafts as one more branch of "
+        "the same tree, checked in the same pass: the drafter is good at the next few tokens, the copy at long "
+        "repeated runs. Any guess can only change how many tokens a cycle keeps, never which."
     )
 
 

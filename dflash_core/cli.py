@@ -76,7 +76,8 @@ def result_json(engine: Any, result: Any, mode: str, prompt_tokens: int) -> dict
     tokens = result.token_ids
     cycles = [
         {"drafted": e.drafted, "num_accepted": e.num_accepted, "bonus": e.bonus, "committed": e.committed,
-         "draft_s": round(e.draft_s, 6), "verify_s": round(e.verify_s, 6), "tree_nodes": e.tree_nodes}
+         "draft_s": round(e.draft_s, 6), "verify_s": round(e.verify_s, 6), "tree_nodes": e.tree_nodes,
+         "lookup_nodes": e.lookup_nodes}
         for e in result.cycles
     ] if mode == "dflash" else []
     return {
@@ -103,6 +104,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     config = GenerationConfig(
         max_new_tokens=args.max_new_tokens, block_size=args.block_size, temperature=args.temperature,
         top_p=args.top_p, top_k=args.top_k, seed=args.seed, rule=args.rule, adaptive=args.adaptive, tree=args.tree,
+        lookup=args.lookup,
     )
     # Refuse what is wrong on its face before spending seconds loading models; the block size's
     # upper bound (the drafter's) and the context length are checked once they are known.
@@ -165,6 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="verify only as many drafts as pay off (drafter confidence vs measured verify cost)")
     g.add_argument("--tree", action="store_true",
                    help="verify a tree of the drafter's likeliest continuations instead of one chain (greedy or rule match)")
+    g.add_argument("--lookup", action="store_true",
+                   help="also verify, in the same target pass, what followed the last tokens where they occurred "
+                        "before in the prompt or the answer (prompt lookup; greedy or rule match)")
     g.add_argument("--raw", action="store_true", help="use the prompt as is, without the chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object with token ids, text and cycles")
     g.set_defaults(func=cmd_generate)

@@ -60,9 +60,9 @@ class Engine:
         config = config.validated(self.drafter.block_size, max_new_tokens_limit())
         if mode == "ar":
             config = replace(config, block_size=1)
-        elif config.tree and not hasattr(self.target.runner, "forward_tree"):
-            raise SettingsError(f"tree = true needs the fast target runner; this target runs on "
-                                f"{type(self.target.runner).__name__} (use tree = false)")
+        elif (config.tree or config.lookup) and not hasattr(self.target.runner, "forward_tree"):
+            raise SettingsError(f"tree = true and lookup = true need the fast target runner; this target runs on "
+                                f"{type(self.target.runner).__name__} (use tree = false, lookup = false)")
         ids = encode_prompt(self.tokenizer, prompt, raw=raw)
         check_fits_context(len(ids), config.max_new_tokens, self.context_length)
         return ids, config
@@ -91,7 +91,7 @@ class Engine:
                 self.last_run = run
                 try:
                     costs = self.verify_costs() if config.adaptive and drafter is not None else None
-                    tree_costs = self.tree_costs() if config.adaptive and config.tree and drafter is not None else (0.0, 0.0)
+                    tree_costs = self.tree_costs() if config.adaptive and (config.tree or config.lookup) and drafter is not None else (0.0, 0.0)
                     for event in stream(self.target.runner, drafter, prompt_ids, config, self.stop_ids, should_stop,
                                         costs, tree_costs):
                         run["cycles"] += 1

@@ -24,6 +24,7 @@ import torch
 from . import acceptance
 from .drafter import DFlashDrafter
 from .errors import SettingsError
+from .lookup import LookupStats, NgramIndex, graft
 from .target import TargetRunner
 from .tree import BRANCHING, DraftTree, build_tree, depth_first, walk
 
@@ -44,6 +45,7 @@ class GenerationConfig:
     rule: str = "match"  # acceptance rule at temperature > 0 (see acceptance.py)
     adaptive: bool = False  # verify only the drafts worth their cost (needs verify_costs)
     tree: bool = False  # verify a tree of the drafter's likeliest continuations (see tree.py)
+    lookup: bool = False  # also verify what followed the last tokens' earlier occurrence (lookup.py)
 
     def validated(self, max_block_size: int, max_new_tokens_limit: int = 1 << 20) -> "GenerationConfig":
         """This config with ``block_size`` resolved, or a ``SettingsError`` naming what is allowed."""
@@ -74,8 +76,12 @@ class GenerationConfig:
             raise SettingsError(f"adaptive = {self.adaptive!r}; allowed: true or false")
         if not isinstance(self.tree, bool):
             raise SettingsError(f"tree = {self.tree!r}; allowed: true or false")
-        if self.tree and t > 0 and self.rule == "pq":
-            raise SettingsError("tree = true works with greedy decoding and rule = 'match'; rule = 'pq' needs a chain")
+        if not isinstance(self.lookup, bool):
+            raise SettingsError(f"lookup = {self.lookup!r}; allowed: true or false")
+        for name in ("tree", "lookup"):
+            if getattr(self, name) and t > 0 and self.rule == "pq":
+                raise SettingsError(f"{name} = true works with greedy decoding and rule = 'match'; rule = 'pq' needs "
+                                    f"the drafter's own chain")
         return replace(self, block_size=block, temperature=float(t), top_p=float(self.top_p))
 
 
@@ -98,6 +104,7 @@ class CycleEvent:
     # Tree cycles: drafts the target verified (``drafted`` shows one path through them: the kept
     # nodes, then the likeliest drafts below the last kept one). 0 for a chain.
     tree_nodes: int = 0
+    lookup_nodes: int = 0  # verified drafts on prompt lookup's path (shared with the drafter's or not)
 
     @property
     def accept_len(self) -> int:
@@ -191,9 +198,10 @@ def stream(
     """
     block_size = int(config.block_size or 1)
     speculative = drafter is not None and block_size > 1
-    use_tree = speculative and config.tree
+    use_tree = speculative and (config.tree or config.lookup)
     if use_tree and not hasattr(target, "forward_tree"):
-        raise SettingsError("tree = true needs the fast target runner (Llama-family targets, engine 'auto' or 'fast')")
+        raise SettingsError("tree = true and lookup = true need the fast target runner (Llama-family targets, "
+                            "engine 'auto' or 'fast')")
     layer_ids = drafter.target_layer_ids if speculative else None
     sampling = config.temperature > 0
     generator = None
@@ -232,6 +240,8 @@ def stream(
         return
 
     context = out.features  # (n, F) features not yet seen by the drafter
+    ngrams = NgramIndex(list(prompt_ids) + committed) if speculative and config.lookup else None
+    lookup_stats = LookupStats()
     context_start = 0
     cache = drafter.new_cache() if speculative else None
     last = first
@@ -248,10 +258,15 @@ def stream(
         conf = torch.empty(0, device=target.device)
         draft_probs = None
         tree = None
+        guess, ngram, lookup_path = [], 0, []
         if size > 1 and use_tree:
             logits, columns = _draft_block(drafter, target, cache, last, start, size, context, context_start)
+            if ngrams is not None:
+                guess, ngram = ngrams.continuation(size - 1)
             tree = _draft_tree(logits, columns, last, size - 1, verify_costs if config.adaptive else None,
-                               clock.now() - t0, tree_costs)
+                               clock.now() - t0, tree_costs, BRANCHING if config.tree else 1,
+                               (guess, lookup_stats.probabilities(ngram, len(guess))))
+            lookup_path = tree.find_path(guess)
             if tree.is_chain():  # verified as a chain below: the plain forward is cheaper
                 draft = torch.tensor(tree.tokens[1:], dtype=torch.long, device=target.device)
                 conf = torch.tensor([tree.scores[n] / tree.scores[n - 1] for n in range(1, len(tree))], device=target.device)
@@ -286,6 +301,7 @@ def stream(
             target_choices = [choices[n] for n in shown]
             target.keep_path(kept)
             kept_features = out.features[kept]
+            kept_nodes = set(kept)
         else:
             block = torch.cat((torch.tensor([last], device=target.device), draft))
             out = target.forward(block, layer_ids)
@@ -311,15 +327,22 @@ def stream(
             # update: positions start..start+a hold the kept tokens; everything after is forgotten.
             target.truncate(start + a + 1)
             kept_features = out.features[: a + 1] if speculative else None
+            kept_nodes = set(range(a + 1))
+        if lookup_path:
+            parents = [0] + lookup_path[:-1]
+            lookup_stats.record(ngram, sum(p in kept_nodes for p in parents), sum(n in kept_nodes for n in lookup_path))
         committed, reason = finish(drafted[:a] + [bonus_id], produced)
         produced += len(committed)
+        if ngrams is not None:
+            ngrams.extend(committed)
         if speculative:
             if size > 1:  # the drafter has now seen the old context
                 context, context_start = kept_features, start
             else:
                 context = torch.cat((context, kept_features))
         yield CycleEvent(index, start + 1, drafted, confidence, target_choices, a, bonus_id, committed,
-                         t1 - t0, t2 - t1, produced, reason, tree_nodes=len(tree) - 1 if tree is not None else 0)
+                         t1 - t0, t2 - t1, produced, reason, tree_nodes=len(tree) - 1 if tree is not None else 0,
+                         lookup_nodes=len(lookup_path))
         if reason:
             return
         last = bonus_id
@@ -328,14 +351,19 @@ def stream(
 
 def _draft_tree(logits: torch.Tensor, columns: torch.Tensor | None, anchor: int, budget: int,
                 verify_costs: Sequence[float] | None, t1_cost: float,
-                tree_costs: tuple[float, float] = (0.0, 0.0)) -> DraftTree:
-    """The draft tree of a cycle: the ``budget`` likeliest drafts, or with ``verify_costs`` the
-    prefix of them (best first) that maximises expected tokens per second, a tree with ``P > 1``
-    root-to-leaf paths costing ``branching + (P - 2) * per_path`` more than a chain."""
-    top_probs, top_ids = torch.softmax(logits.float(), -1).topk(min(BRANCHING, logits.shape[-1]), -1)
+                tree_costs: tuple[float, float] = (0.0, 0.0), branching: int = BRANCHING,
+                lookup: tuple[Sequence[int], Sequence[float]] = ((), ())) -> DraftTree:
+    """The draft tree of a cycle: the ``budget`` likeliest drafts (each node branching into at
+    most ``branching`` candidates; 1: the drafter's chain), with ``lookup``'s path (tokens, the
+    chance of each) grafted in; or with ``verify_costs`` the prefix of them (best first) that
+    maximises expected tokens per second, a tree with ``P > 1`` root-to-leaf paths costing
+    ``branching + (P - 2) * per_path`` more than a chain."""
+    top_probs, top_ids = torch.softmax(logits.float(), -1).topk(min(branching, logits.shape[-1]), -1)
     if columns is not None:
         top_ids = columns[top_ids]
     tree = build_tree(anchor, top_probs.tolist(), top_ids.tolist(), budget)
+    if len(lookup[0]):
+        tree = graft(tree, lookup[0], lookup[1], budget)
     if verify_costs:
         # Node scores never increase along the node order, and parents come first: any prefix
         # of the nodes is a tree, and the best prefix is found like a chain's best length.

@@ -45,6 +45,16 @@ class DraftTree:
             node = self.parents[node]
         return nodes[::-1]
 
+    def find_path(self, tokens: Sequence[int]) -> list[int]:
+        """The nodes spelling ``tokens`` below the root, as far as the tree holds them."""
+        nodes, node = [], 0
+        for token in tokens:
+            node = next((n for n in range(1, len(self)) if self.parents[n] == node and self.tokens[n] == token), -1)
+            if node < 0:
+                break
+            nodes.append(node)
+        return nodes
+
     def is_chain(self) -> bool:
         return all(parent == index - 1 for index, parent in enumerate(self.parents))
 

@@ -17,19 +17,22 @@ def test_bench_writes_results_and_report(tmp_path, capsys):
     out = tmp_path / "bench"
     code = cli.main(["bench", "--pair", "smollm2-135m-random", "--prompts", str(prompts), "--limit", "2",
                      "--max-new-tokens", "12", "--out", str(out),
-                     "--methods", "dflash,ar,hf_generate,prompt_lookup,dflash_adaptive,dflash_tree,dflash_tree_adaptive"])
+                     "--methods", "dflash,ar,hf_generate,prompt_lookup,dflash_adaptive,dflash_tree,dflash_tree_adaptive,"
+                     "dflash_lookup,dflash_tree_lookup_adaptive"])
     assert code == 0, capsys.readouterr().err
     data = json.loads((out / "results.json").read_text())
     summary = data["summary"]
     for key in ("tau", "speedup_vs_ar", "speedup_vs_hf_generate", "speedup_vs_prompt_lookup", "lossless",
                 "acceptance_histogram", "mean_draft_ms", "mean_verify_ms", "tokens_per_s", "tau_adaptive",
-                "tau_tree", "speedup_dflash_tree_vs_ar", "tau_tree_adaptive", "speedup_dflash_tree_adaptive_vs_ar"):
+                "tau_tree", "speedup_dflash_tree_vs_ar", "tau_tree_adaptive", "speedup_dflash_tree_adaptive_vs_ar",
+                "tau_lookup", "speedup_dflash_lookup_vs_ar", "tau_tree_lookup_adaptive"):
         assert key in summary, key
     assert summary["lossless"] is True
     assert len(data["prompts"]) == 2
     assert all(p["dflash_equals_ar"] for p in data["prompts"])
     assert set(data["prompts"][0]["methods"]) == {"dflash", "ar", "hf_generate", "prompt_lookup", "dflash_adaptive",
-                                                  "dflash_tree", "dflash_tree_adaptive"}
+                                                  "dflash_tree", "dflash_tree_adaptive", "dflash_lookup",
+                                                  "dflash_tree_lookup_adaptive"}
     assert "plotly" in (out / "report.html").read_text()
     assert "speedup vs AR" in (out / "summary.md").read_text()
 

@@ -51,6 +51,13 @@ def test_default_pair_greedy_dflash_equals_ar(capsys, prompt):
     assert any(c["tree_nodes"] > len(c["drafted"]) for c in tree["cycles"])
     tree_adaptive = run_json(capsys, "generate", "--json", "--prompt", prompt, "--max-new-tokens", "96", "--tree", "--adaptive")
     assert tree_adaptive["token_ids"] == ar["token_ids"]
+    # Prompt lookup's guesses in the same pass: the same tokens, and guesses were verified.
+    lookup = run_json(capsys, "generate", "--json", "--prompt", prompt, "--max-new-tokens", "96", "--lookup")
+    assert lookup["token_ids"] == ar["token_ids"]
+    assert any(c["lookup_nodes"] for c in lookup["cycles"])
+    combined = run_json(capsys, "generate", "--json", "--prompt", prompt, "--max-new-tokens", "96", "--tree", "--lookup",
+                        "--adaptive")
+    assert combined["token_ids"] == ar["token_ids"]
 
 
 def test_generate_json_has_the_documented_fields(capsys):

@@ -8,7 +8,10 @@ Methods (all greedy unless a temperature is given; all on the same loaded target
 * ``prompt_lookup`` — transformers prompt-lookup decoding (``prompt_lookup_num_tokens``);
 * ``dflash_adaptive`` — DFlash verifying only the drafts worth their measured cost;
 * ``dflash_tree`` / ``dflash_tree_adaptive`` — DFlash verifying a tree of the drafter's likeliest
-  continuations (``tree.py``), of the block's size or of the size worth its cost.
+  continuations (``tree.py``), of the block's size or of the size worth its cost;
+* ``dflash_lookup``, ``dflash_lookup_adaptive``, ``dflash_tree_lookup``,
+  ``dflash_tree_lookup_adaptive`` — the same with prompt lookup's guess verified in the same pass
+  (``lookup.py``).
 
 Timing lives here, not in the loop: each method is timed end to end (prefill included) with a
 CUDA synchronisation on GPUs (``torch.cuda.Event`` pairs), ``perf_counter`` on CPUs. The order of
@@ -28,7 +31,10 @@ from ..engine import Engine
 from ..prompting import encode_prompt
 from ..speculative import GenerationConfig, GenerationResult, collect
 
-METHODS = ("dflash", "ar", "hf_generate", "prompt_lookup", "dflash_adaptive", "dflash_tree", "dflash_tree_adaptive")
+# DFlash variants are "dflash" plus any of the suffixes, in this order: _tree, _lookup, _adaptive.
+DFLASH_VARIANTS = ("dflash_adaptive", "dflash_tree", "dflash_tree_adaptive", "dflash_lookup", "dflash_lookup_adaptive",
+                   "dflash_tree_lookup", "dflash_tree_lookup_adaptive")
+METHODS = ("dflash", "ar", "hf_generate", "prompt_lookup") + DFLASH_VARIANTS
 
 
 @dataclass
@@ -82,13 +88,16 @@ class Bench:
         self.timer = Timer(engine.target.runner.device)
 
     # ---------------------------------------------------------------------------- methods
-    def _engine_run(self, ids: list[int], mode: str, rule: str = "match", adaptive: bool = False, tree: bool = False) -> MethodRun:
+    def _engine_run(self, ids: list[int], mode: str, rule: str = "match", adaptive: bool = False, tree: bool = False,
+                    lookup: bool = False) -> MethodRun:
         cfg = self.config if mode == "dflash" else GenerationConfig(
             max_new_tokens=self.config.max_new_tokens, block_size=1, temperature=self.config.temperature,
             top_p=self.config.top_p, top_k=self.config.top_k, seed=self.config.seed)
-        cfg = GenerationConfig(**{**cfg.__dict__, "rule": rule, "adaptive": adaptive, "tree": tree}).validated(self.engine.drafter.block_size)
+        cfg = GenerationConfig(**{**cfg.__dict__, "rule": rule, "adaptive": adaptive, "tree": tree, "lookup": lookup})
+        cfg = cfg.validated(self.engine.drafter.block_size)
         result, seconds = self.timer(lambda: collect(self.engine.stream_ids(ids, cfg)))
-        name = mode + ("" if rule == "match" else f"_{rule}") + ("_tree" if tree else "") + ("_adaptive" if adaptive else "")
+        name = (mode + ("" if rule == "match" else f"_{rule}") + ("_tree" if tree else "") + ("_lookup" if lookup else "")
+                + ("_adaptive" if adaptive else ""))
         return MethodRun(name, result.token_ids, seconds, result.decode_s, result)
 
     def _hf_run(self, ids: list[int], lookup: bool) -> MethodRun:
@@ -118,11 +127,11 @@ class Bench:
     def run_method(self, method: str, ids: list[int]) -> list[MethodRun]:
         if method == "dflash":
             return [self._engine_run(ids, "dflash", rule) for rule in self.rules]
-        if method == "dflash_adaptive":
-            return [self._engine_run(ids, "dflash", rule, adaptive=True) for rule in self.rules]
-        if method in ("dflash_tree", "dflash_tree_adaptive"):
-            # Trees verify with the match rule only (pq would need multi-candidate rejection).
-            return [self._engine_run(ids, "dflash", "match", adaptive=method.endswith("adaptive"), tree=True)]
+        if method in DFLASH_VARIANTS:
+            adaptive, tree, lookup = method.endswith("_adaptive"), "_tree" in method, "_lookup" in method
+            # Trees and lookup verify with the match rule only (pq would need multi-candidate rejection).
+            rules = ("match",) if tree or lookup else self.rules
+            return [self._engine_run(ids, "dflash", rule, adaptive=adaptive, tree=tree, lookup=lookup) for rule in rules]
         if method == "ar":
             return [self._engine_run(ids, "ar")]
         if method == "hf_generate":

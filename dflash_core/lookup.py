@@ -1,0 +1,134 @@
+"""Prompt lookup as a second source of drafts, verified in the same target pass as the drafter's.
+
+Code and answers that quote their question repeat long runs of earlier tokens: a function's
+signature, a docstring, a variable name. Where the last ``n`` tokens occurred before, the tokens
+that followed that occurrence are a cheap guess at what comes next (transformers'
+``prompt_lookup_num_tokens`` decodes with this guess alone). The DFlash drafter's slots decay
+with depth, while a copied run, once its first tokens are right, tends to stay right for many
+tokens: the two fail in different places. ``graft`` adds the lookup's continuation to the
+cycle's draft tree as one more path, so one target pass checks both and the walk keeps whichever
+the target agrees with. Like every draft, it only decides how many tokens a cycle commits, never
+which ones: the output is unchanged.
+
+How likely a lookup token is to be kept is estimated online (``LookupStats``): per n-gram size
+and depth, from what the target kept in this generation's earlier cycles. Those estimates rank
+the lookup's nodes against the drafter's (and price them in adaptive drafting).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from .tree import DraftTree
+
+MAX_NGRAM = 3  # longest suffix matched; longer matches are rarer and add little (measured on HumanEval)
+MIN_NGRAM = 1
+
+
+class NgramIndex:
+    """Latest earlier occurrence of every 1..``MAX_NGRAM``-gram of a growing token sequence."""
+
+    def __init__(self, tokens: Sequence[int] = ()) -> None:
+        self.tokens: list[int] = []
+        # n-gram -> start of its latest occurrence that has at least one token after it
+        self._latest: dict[tuple[int, ...], int] = {}
+        self.extend(tokens)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        for token in tokens:
+            # The n-grams ending at the current last token now have a token after them.
+            end = len(self.tokens)
+            for n in range(MIN_NGRAM, MAX_NGRAM + 1):
+                if end >= n:
+                    self._latest[tuple(self.tokens[end - n : end])] = end - n
+            self.tokens.append(int(token))
+
+    def continuation(self, length: int) -> tuple[list[int], int]:
+        """``length`` tokens copied from after the latest earlier occurrence of the longest
+        matching suffix, and that suffix's length (``[]`` and 0 when nothing matches).
+
+        The copy may run into the tokens it guesses (as LZ77 copies do): after ``a b a b`` the
+        suffix ``a b`` last occurred two tokens back, and the guess goes on ``a b a b ...``, so
+        repeated runs and periodic text are guessed to their full length."""
+        if length <= 0:
+            return [], 0
+        tokens = self.tokens
+        for n in range(min(MAX_NGRAM, len(tokens)), MIN_NGRAM - 1, -1):
+            start = self._latest.get(tuple(tokens[-n:]))
+            if start is not None:
+                guess: list[int] = []
+                for j in range(start + n, start + n + length):
+                    guess.append(tokens[j] if j < len(tokens) else guess[j - len(tokens)])
+                return guess, n
+        return [], 0
+
+
+class LookupStats:
+    """Online estimate of the chance that a lookup token is kept given its parent was.
+
+    Counted per (n-gram size, depth 1 / 2 / 3 and deeper); each bucket starts at ``prior`` with
+    the weight of ``prior_weight`` observations, so the first cycles neither trust nor ignore
+    the lookup.
+    """
+
+    DEPTHS = 3
+
+    def __init__(self, prior: float = 0.5, prior_weight: float = 2.0) -> None:
+        self._hits: dict[tuple[int, int], float] = {}
+        self._tries: dict[tuple[int, int], float] = {}
+        self.prior, self.prior_weight = prior, prior_weight
+
+    def _key(self, ngram: int, depth: int) -> tuple[int, int]:
+        return ngram, min(depth, self.DEPTHS)
+
+    def probability(self, ngram: int, depth: int) -> float:
+        key = self._key(ngram, depth)
+        return (self._hits.get(key, 0.0) + self.prior * self.prior_weight) / (self._tries.get(key, 0.0) + self.prior_weight)
+
+    def probabilities(self, ngram: int, count: int) -> list[float]:
+        return [self.probability(ngram, d) for d in range(1, count + 1)]
+
+    def record(self, ngram: int, tried: int, kept: int) -> None:
+        """The first ``tried`` lookup tokens were verified with their parents kept; ``kept`` of
+        them (a prefix) were kept."""
+        for depth in range(1, tried + 1):
+            key = self._key(ngram, depth)
+            self._tries[key] = self._tries.get(key, 0.0) + 1
+            self._hits[key] = self._hits.get(key, 0.0) + (depth <= kept)
+
+
+def graft(tree: DraftTree, tokens: Sequence[int], probs: Sequence[float], budget: int) -> DraftTree:
+    """``tree`` with the path ``tokens`` added below its root, then cut to its ``budget`` best
+    nodes (plus the root).
+
+    ``probs[i]``: the chance that ``tokens[i]`` is kept given the token before it was. Where the
+    path runs through a drafter node, that node's chance is the larger of the two estimates. A
+    node's score is the product of its path's chances; nodes come best first, parents before
+    children (a child never scores above its parent), as ``build_tree`` orders them.
+    """
+    size = len(tree)
+    parents, tokens_out, depths = list(tree.parents), list(tree.tokens), list(tree.depths)
+    chance = [1.0] + [tree.scores[n] / tree.scores[tree.parents[n]] if tree.scores[tree.parents[n]] > 0 else 0.0
+                      for n in range(1, size)]
+    children = {(parents[n], tokens_out[n]): n for n in range(1, size)}
+    node = 0
+    for token, p in zip(tokens, probs):
+        child = children.get((node, int(token)))
+        if child is None:
+            child = len(tokens_out)
+            tokens_out.append(int(token))
+            parents.append(node)
+            depths.append(depths[node] + 1)
+            chance.append(float(p))
+            children[(node, int(token))] = child
+        else:
+            chance[child] = max(chance[child], float(p))
+        node = child
+    scores = [1.0] * len(tokens_out)
+    for n in range(1, len(tokens_out)):  # parents have lower indices than their children
+        scores[n] = scores[parents[n]] * chance[n]
+    # Best first; a tie goes to the shallower node, so a parent always precedes its children.
+    order = [0] + sorted(range(1, len(tokens_out)), key=lambda n: (-scores[n], depths[n], n))[:budget]
+    new = {old: i for i, old in enumerate(order)}
+    return DraftTree([tokens_out[n] for n in order], [new.get(parents[n], -1) for n in order],
+                     [depths[n] for n in order], [scores[n] for n in order])
