@@ -54,12 +54,13 @@ test-fast: setup
 
 bench: setup
 	$(PY) -m dflash_core bench --prompts humaneval --limit 20 --max-new-tokens 256 --block-size 16 \
-	  --methods dflash,dflash_adaptive,dflash_tree,dflash_tree_adaptive,ar,hf_generate,prompt_lookup --out runs/bench/humaneval-b16
+	  --methods dflash,dflash_adaptive,dflash_tree,dflash_tree_adaptive,dflash_lookup_adaptive,dflash_tree_lookup_adaptive,ar,hf_generate,prompt_lookup \
+	  --out runs/bench/humaneval-b16
 
 # Every run behind docs/BENCHMARKS.md (about an hour on 2 cores), then the page itself.
 BENCH := $(PY) -m dflash_core bench --max-new-tokens 256
 benchmarks: bench
-	$(BENCH) --prompts heldout --limit 20 --block-size 16 --methods dflash,dflash_adaptive,dflash_tree,dflash_tree_adaptive,ar \
+	$(BENCH) --prompts heldout --limit 20 --block-size 16 --methods dflash,dflash_adaptive,dflash_tree,dflash_tree_adaptive,dflash_lookup_adaptive,dflash_tree_lookup_adaptive,ar \
 	  --out runs/bench/heldout-b16
 	$(BENCH) --prompts humaneval --limit 10 --block-size 8 --methods dflash,ar --out runs/bench/humaneval-b8
 	$(BENCH) --prompts humaneval --limit 10 --block-size 16 --temperature 0.7 --rules match,pq --methods dflash,ar --out runs/bench/humaneval-t0.7
