@@ -34,6 +34,7 @@ class CycleRecord:
     tokens_so_far: int
     tree_nodes: int = 0  # drafts verified as a tree (``drafted`` is one path through them); 0: a chain
     lookup_nodes: int = 0  # verified drafts that prompt lookup proposed
+    lookup_only: bool = False  # the drafter did not run this cycle (prompt lookup's guess alone)
 
 
 @dataclass
@@ -108,7 +109,7 @@ class RunRecord:
                 num_accepted=event.num_accepted, bonus=convert([event.bonus])[0],
                 target_choices=convert(event.target_choices), committed=len(ids), draft_s=event.draft_s,
                 verify_s=event.verify_s, at_s=now, tokens_so_far=event.tokens_so_far, tree_nodes=event.tree_nodes,
-                lookup_nodes=event.lookup_nodes,
+                lookup_nodes=event.lookup_nodes, lookup_only=event.lookup_only,
             ))
         self.timeline.append((now, self.num_tokens))
         self.elapsed_s = now

@@ -65,6 +65,9 @@ def cycle_html(cycle: CycleRecord) -> str:
     if cycle.lookup_nodes:
         header += (f' · <span class="dfs-lookup" title="drafts copied from what followed the last tokens where they '
                    f'occurred before (prompt lookup), checked in the same pass">{cycle.lookup_nodes} from prompt lookup</span>')
+    if cycle.lookup_only:
+        header += (' · <span class="dfs-lookup" title="the guess was likely enough to be verified alone: the drafter '
+                   'did not run this cycle">drafter skipped</span>')
     return f'<div class="dfs-cycle"><div class="dfs-cycle-head">{header}</div><div>{"".join(chips)}</div></div>'
 
 

@@ -14,11 +14,13 @@ from typing import Any, Callable, Iterator
 
 from .errors import SettingsError
 from .loading import LoadedPair, Progress, load_pair
+from .lookup import LookupStats
 from .prompting import check_fits_context, encode_prompt, max_new_tokens_limit, stop_token_ids
 from .registry import load_registry
 from .speculative import CycleEvent, GenerationConfig, GenerationResult, collect, measure_tree_costs, measure_verify_costs, stream
 
 MODES = ("dflash", "ar")
+LOOKUP_MEMORY = 50  # observations per estimate of prompt lookup's chances that still count fully
 
 
 class Engine:
@@ -32,6 +34,8 @@ class Engine:
         self.lock = threading.Lock()
         self._verify_costs: list[float] | None = None
         self._tree_costs: tuple[float, float] | None = None
+        # Prompt lookup's chances, carried from one generation to the next (recent ones weigh most).
+        self.lookup_stats = LookupStats(memory=LOOKUP_MEMORY)
         # What the latest run did, kept so front ends can show (and tests can check) that a run
         # whose consumer went away really stopped: cycles, tokens, and how it ended.
         self.last_run: dict[str, Any] | None = None
@@ -91,9 +95,10 @@ class Engine:
                 self.last_run = run
                 try:
                     costs = self.verify_costs() if config.adaptive and drafter is not None else None
-                    tree_costs = self.tree_costs() if config.adaptive and (config.tree or config.lookup) and drafter is not None else (0.0, 0.0)
+                    shaped = config.adaptive and (config.tree or config.lookup) and drafter is not None
+                    tree_costs = self.tree_costs() if shaped else (0.0, 0.0)
                     for event in stream(self.target.runner, drafter, prompt_ids, config, self.stop_ids, should_stop,
-                                        costs, tree_costs):
+                                        costs, tree_costs, self.lookup_stats):
                         run["cycles"] += 1
                         run["tokens"] += len(event.committed)
                         run["finish_reason"] = event.finish_reason

@@ -68,15 +68,18 @@ class LookupStats:
 
     Counted per (n-gram size, depth 1 / 2 / 3 and deeper); each bucket starts at ``prior`` with
     the weight of ``prior_weight`` observations, so the first cycles neither trust nor ignore
-    the lookup.
+    the lookup. With ``memory``, older observations fade (each new one scales a bucket's counts
+    by ``1 - 1 / memory``): an engine keeps one ``LookupStats`` across generations, so a new
+    generation starts from what recent ones measured and still follows its own text.
     """
 
     DEPTHS = 3
 
-    def __init__(self, prior: float = 0.5, prior_weight: float = 2.0) -> None:
+    def __init__(self, prior: float = 0.5, prior_weight: float = 2.0, memory: float | None = None) -> None:
         self._hits: dict[tuple[int, int], float] = {}
         self._tries: dict[tuple[int, int], float] = {}
         self.prior, self.prior_weight = prior, prior_weight
+        self.keep = 1.0 - 1.0 / memory if memory else 1.0
 
     def _key(self, ngram: int, depth: int) -> tuple[int, int]:
         return ngram, min(depth, self.DEPTHS)
@@ -93,8 +96,23 @@ class LookupStats:
         them (a prefix) were kept."""
         for depth in range(1, tried + 1):
             key = self._key(ngram, depth)
-            self._tries[key] = self._tries.get(key, 0.0) + 1
-            self._hits[key] = self._hits.get(key, 0.0) + (depth <= kept)
+            self._tries[key] = self._tries.get(key, 0.0) * self.keep + 1
+            self._hits[key] = self._hits.get(key, 0.0) * self.keep + (depth <= kept)
+
+
+def worth_drafting(lookup_gains: Sequence[float], verify_cost: float, draft_cost: float, drafter_gain: float) -> bool:
+    """Whether a cycle whose lookup guess is expected to add ``lookup_gains`` (the expected count
+    kept at each depth) should also run the drafter.
+
+    Drafting costs ``draft_cost``; its drafts mostly matter where the guess fails at once (with
+    chance ``1 - lookup_gains[0]``), and then add ``drafter_gain`` tokens on average. Taking the
+    verify cost as ``verify_cost`` either way, drafting pays when
+    ``(1 + E + (1 - q1) * D) / (draft + verify) > (1 + E) / verify``.
+    """
+    if not lookup_gains:
+        return True
+    expected = 1.0 + sum(lookup_gains)
+    return (1.0 - lookup_gains[0]) * drafter_gain * verify_cost > expected * draft_cost
 
 
 def graft(tree: DraftTree, tokens: Sequence[int], probs: Sequence[float], budget: int) -> DraftTree:

@@ -24,7 +24,7 @@ import torch
 from . import acceptance
 from .drafter import DFlashDrafter
 from .errors import SettingsError
-from .lookup import LookupStats, NgramIndex, graft
+from .lookup import LookupStats, NgramIndex, graft, worth_drafting
 from .target import TargetRunner
 from .tree import BRANCHING, DraftTree, build_tree, depth_first, walk
 
@@ -105,6 +105,7 @@ class CycleEvent:
     # nodes, then the likeliest drafts below the last kept one). 0 for a chain.
     tree_nodes: int = 0
     lookup_nodes: int = 0  # verified drafts on prompt lookup's path (shared with the drafter's or not)
+    lookup_only: bool = False  # the drafter did not run: prompt lookup's guess alone was verified
 
     @property
     def accept_len(self) -> int:
@@ -186,6 +187,7 @@ def stream(
     should_stop: Callable[[], bool] | None = None,
     verify_costs: Sequence[float] | None = None,
     tree_costs: tuple[float, float] = (0.0, 0.0),
+    lookup_stats: LookupStats | None = None,
 ) -> Iterator[CycleEvent]:
     """Generate after ``prompt_ids``, yielding one ``CycleEvent`` per cycle.
 
@@ -194,7 +196,8 @@ def stream(
     ``verify_costs[s - 1]`` is the measured time of verifying ``s`` tokens; with
     ``config.adaptive`` it decides how many drafts each cycle verifies (see ``choose_draft_length``);
     a tree also pays ``tree_costs`` for branching, then per root-to-leaf path after the second
-    (``measure_tree_costs``).
+    (``measure_tree_costs``). ``lookup_stats``: the estimates prompt lookup starts from (an
+    engine keeps one across generations); a fresh ``LookupStats`` when None.
     """
     block_size = int(config.block_size or 1)
     speculative = drafter is not None and block_size > 1
@@ -241,7 +244,8 @@ def stream(
 
     context = out.features  # (n, F) features not yet seen by the drafter
     ngrams = NgramIndex(list(prompt_ids) + committed) if speculative and config.lookup else None
-    lookup_stats = LookupStats()
+    lookup_stats = lookup_stats or LookupStats()
+    draft_cost, drafter_gain = None, 1.0  # running means, for skipping the drafter (adaptive lookup)
     context_start = 0
     cache = drafter.new_cache() if speculative else None
     last = first
@@ -259,13 +263,22 @@ def stream(
         draft_probs = None
         tree = None
         guess, ngram, lookup_path = [], 0, []
+        drafting = size > 1
         if size > 1 and use_tree:
-            logits, columns = _draft_block(drafter, target, cache, last, start, size, context, context_start)
             if ngrams is not None:
                 guess, ngram = ngrams.continuation(size - 1)
-            tree = _draft_tree(logits, columns, last, size - 1, verify_costs if config.adaptive else None,
-                               clock.now() - t0, tree_costs, BRANCHING if config.tree else 1,
-                               (guess, lookup_stats.probabilities(ngram, len(guess))))
+            chances = lookup_stats.probabilities(ngram, len(guess))
+            if config.adaptive and verify_costs and guess and draft_cost is not None:
+                # A confident guess may be worth verifying alone, without paying for the drafter.
+                gains = torch.tensor(chances).cumprod(0).tolist()
+                keep = best_count_and_rate(gains, verify_costs)[0]
+                drafting = keep == 0 or worth_drafting(gains[:keep], verify_costs[keep], draft_cost, drafter_gain)
+            if drafting:
+                logits, columns = _draft_block(drafter, target, cache, last, start, size, context, context_start)
+                tree = _draft_tree(logits, columns, last, size - 1, verify_costs if config.adaptive else None,
+                                   clock.now() - t0, tree_costs, BRANCHING if config.tree else 1, (guess, chances))
+            else:
+                tree = DraftTree([last] + guess[:keep], list(range(-1, keep)), list(range(keep + 1)), [1.0] + gains[:keep])
             lookup_path = tree.find_path(guess)
             if tree.is_chain():  # verified as a chain below: the plain forward is cheaper
                 draft = torch.tensor(tree.tokens[1:], dtype=torch.long, device=target.device)
@@ -288,6 +301,8 @@ def stream(
                 if draft_probs is not None:
                     draft_probs = draft_probs[:keep]
         t1 = clock.now()
+        if drafting and use_tree:
+            draft_cost = t1 - t0 if draft_cost is None else 0.9 * draft_cost + 0.1 * (t1 - t0)
         if tree is not None:
             out = target.forward_tree(tree, layer_ids)
             choices = choose(out.logits).tolist()  # the cycle's one host transfer
@@ -331,18 +346,20 @@ def stream(
         if lookup_path:
             parents = [0] + lookup_path[:-1]
             lookup_stats.record(ngram, sum(p in kept_nodes for p in parents), sum(n in kept_nodes for n in lookup_path))
+        if drafting and use_tree and (not lookup_path or lookup_path[0] not in kept_nodes):
+            drafter_gain = 0.9 * drafter_gain + 0.1 * a  # what the drafter adds where the guess fails at once
         committed, reason = finish(drafted[:a] + [bonus_id], produced)
         produced += len(committed)
         if ngrams is not None:
             ngrams.extend(committed)
         if speculative:
-            if size > 1:  # the drafter has now seen the old context
+            if drafting:  # the drafter has now seen the old context
                 context, context_start = kept_features, start
             else:
                 context = torch.cat((context, kept_features))
         yield CycleEvent(index, start + 1, drafted, confidence, target_choices, a, bonus_id, committed,
                          t1 - t0, t2 - t1, produced, reason, tree_nodes=len(tree) - 1 if tree is not None else 0,
-                         lookup_nodes=len(lookup_path))
+                         lookup_nodes=len(lookup_path), lookup_only=speculative and not drafting and size > 1)
         if reason:
             return
         last = bonus_id

@@ -3,8 +3,9 @@
     python scripts/gpu_check.py --out runs/gpu_check.json
 
 Checks, on CUDA: greedy DFlash == greedy AR for the fast and the generic runner, in bf16 and
-fp32, block sizes 2..16 (chains; trees too on the fast runner), with a random and an oracle drafter; drafter on the CPU with the target
-on the GPU (different devices); a 4-bit bitsandbytes target when bitsandbytes is installed.
+fp32, block sizes 2..16 (chains; trees and prompt lookup too on the fast runner), with a random
+and an oracle drafter; drafter on the CPU with the target on the GPU (different devices); a 4-bit
+bitsandbytes target when bitsandbytes is installed.
 Speed: CUDA-event timing of AR vs DFlash with the oracle drafter (every draft accepted), which
 shows what the loop costs when the drafter is perfect. Exit status 1 when any check fails.
 """
@@ -48,15 +49,16 @@ def main() -> None:
                 model.to("cuda")
                 oracle = OracleDrafter(base, prompt + ar.token_ids).to(drafter_device, dtype)
                 for block in (2, 4, 8, 16):
-                    # Tree verification needs the fast runner (HFTarget refuses it).
-                    for tree in (False, True) if runner_name == "fast" else (False,):
-                        cfg = GenerationConfig(max_new_tokens=64, block_size=block, tree=tree).validated(16)
+                    # Trees and prompt lookup need the fast runner (HFTarget refuses them).
+                    fast = runner_name == "fast"
+                    for tree, lookup in ((False, False), (True, False), (False, True), (True, True))[: 4 if fast else 1]:
+                        cfg = GenerationConfig(max_new_tokens=64, block_size=block, tree=tree, lookup=lookup).validated(16)
                         for name, drafter in (("random", base), ("oracle", oracle)):
                             out = collect(stream(runner, drafter, prompt, cfg))
                             ok = out.token_ids == ar.token_ids
                             failures += not ok
                             report["checks"].append({"dtype": str(dtype), "runner": runner_name, "drafter": name,
-                                                     "drafter_device": drafter_device, "block": block, "tree": tree,
+                                                     "drafter_device": drafter_device, "block": block, "tree": tree, "lookup": lookup,
                                                      "lossless": ok, "tau": round(out.tau, 3)})
         if dtype == torch.bfloat16:
             runner = FastTarget(model)

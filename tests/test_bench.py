@@ -25,8 +25,12 @@ def test_bench_writes_results_and_report(tmp_path, capsys):
     for key in ("tau", "speedup_vs_ar", "speedup_vs_hf_generate", "speedup_vs_prompt_lookup", "lossless",
                 "acceptance_histogram", "mean_draft_ms", "mean_verify_ms", "tokens_per_s", "tau_adaptive",
                 "tau_tree", "speedup_dflash_tree_vs_ar", "tau_tree_adaptive", "speedup_dflash_tree_adaptive_vs_ar",
-                "tau_lookup", "speedup_dflash_lookup_vs_ar", "tau_tree_lookup_adaptive"):
+                "tau_lookup", "speedup_dflash_lookup_vs_ar", "tau_tree_lookup_adaptive", "fastest_variant",
+                "fastest_variant_vs_ar", "fastest_variant_vs_hf_generate", "fastest_variant_vs_prompt_lookup"):
         assert key in summary, key
+    fastest = summary["fastest_variant"]
+    assert summary["tokens_per_s"][fastest] == max(v for m, v in summary["tokens_per_s"].items() if m.startswith("dflash"))
+    assert summary["fastest_variant_vs_ar"] == pytest.approx(summary["tokens_per_s"][fastest] / summary["tokens_per_s"]["ar"], rel=1e-3)
     assert summary["lossless"] is True
     assert len(data["prompts"]) == 2
     assert all(p["dflash_equals_ar"] for p in data["prompts"])

@@ -10,11 +10,11 @@ import torch
 
 from conftest import tiny_drafter, tiny_target
 from dflash_core.errors import SettingsError
-from dflash_core.lookup import MAX_NGRAM, MIN_NGRAM, LookupStats, NgramIndex, graft
+from dflash_core.lookup import MAX_NGRAM, MIN_NGRAM, LookupStats, NgramIndex, graft, worth_drafting
 from dflash_core.speculative import GenerationConfig, collect, stream
 from dflash_core.target import FastTarget, HFTarget
 from dflash_core.tree import DraftTree, build_tree
-from test_speculative import PROMPTS
+from test_speculative import PROMPTS, RecordingDrafter
 
 
 def naive_continuation(tokens: list[int], length: int) -> tuple[list[int], int]:
@@ -145,3 +145,59 @@ def test_lookup_refuses_what_it_cannot_do():
     runner = FastTarget(model)
     ar = collect(stream(runner, None, PROMPTS[0], GenerationConfig(max_new_tokens=8, block_size=1, lookup=True).validated(16)))
     assert len(ar.token_ids) == 8 and not ar.cycles[0].drafted
+
+
+def test_worth_drafting_weighs_the_drafters_cost_against_what_it_adds_where_the_guess_fails():
+    assert worth_drafting([], 0.05, 0.007, 1.0)  # no guess: always draft
+    # A sure guess of 10 tokens: the drafter could only help where the guess fails (never).
+    assert not worth_drafting([1.0] * 10, 0.05, 0.007, 1.0)
+    # A doubtful guess: the drafter's expected 1.1 tokens are worth 7 ms.
+    assert worth_drafting([0.3, 0.1], 0.05, 0.007, 1.1)
+    # The same doubtful guess, but a drafter that adds nothing: skip it.
+    assert not worth_drafting([0.3, 0.1], 0.05, 0.007, 0.0)
+
+
+def test_lookup_stats_with_memory_follow_recent_text():
+    stats = LookupStats(memory=10)
+    for _ in range(100):
+        stats.record(3, tried=1, kept=1)
+    assert stats.probability(3, 1) > 0.9
+    for _ in range(30):
+        stats.record(3, tried=1, kept=0)
+    assert stats.probability(3, 1) < 0.15  # without memory: 101 / 132
+    forever = LookupStats()
+    for kept in [1] * 100 + [0] * 30:
+        forever.record(3, tried=1, kept=kept)
+    assert forever.probability(3, 1) == pytest.approx(101 / 132)
+
+
+def test_confident_guesses_skip_the_drafter_and_its_context_stays_whole():
+    model = tiny_target("llama")
+    runner = FastTarget(model)
+    base = tiny_drafter(model)
+    skipped = 0
+    for prompt in PROMPTS:
+        ar = collect(stream(runner, None, prompt, GenerationConfig(max_new_tokens=60, block_size=1).validated(16)))
+        drafter = RecordingDrafter(base)
+        cfg = GenerationConfig(max_new_tokens=60, block_size=16, adaptive=True, lookup=True).validated(16)
+        out = collect(stream(runner, drafter, prompt, cfg, verify_costs=[0.001 + 0.0001 * k for k in range(16)]))
+        assert out.token_ids == ar.token_ids
+        skipped += sum(c.lookup_only for c in out.cycles)
+        assert all(c.lookup_nodes == len(c.drafted) for c in out.cycles if c.lookup_only)
+        # After cycles without the drafter, its next call still sees every position before the anchor.
+        assert drafter.calls and all(start == cached for start, cached in drafter.calls), drafter.calls
+        assert len(drafter.calls) < len(out.cycles) or not any(c.lookup_only for c in out.cycles)
+    assert skipped >= 5
+
+
+def test_an_engines_lookup_estimates_carry_over_to_the_next_generation():
+    model = tiny_target("llama")
+    runner = FastTarget(model)
+    drafter = tiny_drafter(model)
+    shared = LookupStats(memory=50)
+    cfg = GenerationConfig(max_new_tokens=48, block_size=16, lookup=True).validated(16)
+    first = collect(stream(runner, drafter, PROMPTS[0], cfg, lookup_stats=shared))
+    learnt = {n: shared.probability(n, 1) for n in range(MIN_NGRAM, MAX_NGRAM + 1)}
+    assert any(p != 0.5 for p in learnt.values())  # measured, no longer the prior
+    second = collect(stream(runner, drafter, PROMPTS[0], cfg, lookup_stats=shared))
+    assert second.token_ids == first.token_ids

@@ -9,7 +9,7 @@ from typing import Any
 
 import plotly.graph_objects as go
 
-from .runner import PromptRecord
+from .runner import PromptRecord, fastest_variant
 
 COLORS = {"dflash": "#2e9d5b", "ar": "#888888", "hf_generate": "#3468c0", "prompt_lookup": "#e39b2d"}
 
@@ -156,20 +156,28 @@ def benchmarks_markdown(runs: list[dict[str, Any]], drafter_info: dict[str, Any]
                   "*pq* samples drafts from the drafter and accepts with min(1, p/q) (the default rule at "
                   "temperature > 0 is *match*: keep drafts while they equal the target's own samples); *tree* "
                   "verifies a tree of the drafter's likeliest continuations of the same size as the block "
-                  "(*tree adaptive*: of the size worth its measured cost).", "",
+                  "(*tree adaptive*: of the size worth its measured cost); *lookup* adds prompt lookup's guess "
+                  "(what followed the last tokens where they occurred before) to the drafts verified in the "
+                  "same pass. *Fastest variant*: the fastest of the DFlash variants the run measured, against "
+                  "each peer.", "",
                   "| run | tau | AR tok/s | DFlash tok/s | DFlash / AR | adaptive / AR | tree tau | tree / AR | "
-                  "tree adaptive / AR | pq tau | pq / AR | "
-                  "DFlash / HF generate | DFlash / prompt lookup | AR / HF generate | lossless |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "tree adaptive / AR | lookup adaptive / AR | tree lookup adaptive / AR | pq tau | pq / AR | "
+                  "DFlash / HF generate | DFlash / prompt lookup | AR / HF generate | fastest variant | "
+                  "its / AR | its / HF generate | its / prompt lookup | lossless |",
+                  "|" + "---|" * 21]
         for run in runs:
             s, m = run["settings"], run["summary"]
             tps = m["tokens_per_s"]
+            m = {**fastest_variant(tps), **m}  # runs written before the summary carried it
             lines.append("| " + " | ".join([
                 _section_title(s), cell(m.get("tau")), cell(tps.get("ar")), cell(tps.get("dflash")),
                 cell(m.get("speedup_vs_ar")), cell(m.get("speedup_dflash_adaptive_vs_ar")), cell(m.get("tau_tree")),
-                cell(m.get("speedup_dflash_tree_vs_ar")), cell(m.get("speedup_dflash_tree_adaptive_vs_ar")), cell(m.get("tau_pq")),
-                cell(m.get("speedup_dflash_pq_vs_ar")), cell(m.get("speedup_vs_hf_generate")),
-                cell(m.get("speedup_vs_prompt_lookup")), cell(m.get("ar_vs_hf_generate")), cell(m.get("lossless")),
+                cell(m.get("speedup_dflash_tree_vs_ar")), cell(m.get("speedup_dflash_tree_adaptive_vs_ar")),
+                cell(m.get("speedup_dflash_lookup_adaptive_vs_ar")), cell(m.get("speedup_dflash_tree_lookup_adaptive_vs_ar")),
+                cell(m.get("tau_pq")), cell(m.get("speedup_dflash_pq_vs_ar")), cell(m.get("speedup_vs_hf_generate")),
+                cell(m.get("speedup_vs_prompt_lookup")), cell(m.get("ar_vs_hf_generate")), cell(m.get("fastest_variant")),
+                cell(m.get("fastest_variant_vs_ar")), cell(m.get("fastest_variant_vs_hf_generate")),
+                cell(m.get("fastest_variant_vs_prompt_lookup")), cell(m.get("lossless")),
             ]) + " |")
         lines.append("")
     for run in runs:

@@ -165,6 +165,17 @@ def _ratio(a: float, b: float) -> float | None:
     return round(a / b, 4) if b and b == b and a == a else None
 
 
+def fastest_variant(tokens_per_s: dict[str, float]) -> dict[str, Any]:
+    """The fastest DFlash variant of a run and its speed against each peer (the variants are
+    settings a user can pick); empty when the run measured no DFlash variant."""
+    measured = {m: v for m, v in tokens_per_s.items() if (m == "dflash" or m.startswith("dflash_")) and v == v}
+    if not measured:
+        return {}
+    best = max(measured, key=measured.get)
+    return {"fastest_variant": best, **{f"fastest_variant_vs_{peer}": _ratio(measured[best], tokens_per_s.get(peer, float("nan")))
+                                        for peer in ("ar", "hf_generate", "prompt_lookup")}}
+
+
 def summarize(records: list[PromptRecord], block_size: int, temperature: float) -> dict[str, Any]:
     """Aggregate throughput (total tokens / total time per method), ratios, tau, losslessness."""
     methods = sorted({m for r in records for m in r.runs})
@@ -200,6 +211,7 @@ def summarize(records: list[PromptRecord], block_size: int, temperature: float) 
     summary["speedup_vs_hf_generate"] = _ratio(d, tps.get("hf_generate", float("nan")))
     summary["speedup_vs_prompt_lookup"] = _ratio(d, tps.get("prompt_lookup", float("nan")))
     summary["ar_vs_hf_generate"] = _ratio(tps.get("ar", float("nan")), tps.get("hf_generate", float("nan")))
+    summary.update(fastest_variant(tps))
     # Greedy, every DFlash variant (chain, adaptive, tree) must reproduce the AR output exactly.
     variants = [m for m in methods if m == "dflash" or m.startswith("dflash_")]
     by_variant = {v: [r.index for r in records if v in r.runs and "ar" in r.runs and r.runs[v].tokens != r.runs["ar"].tokens]
