@@ -197,21 +197,19 @@ class Studio:
 
     # ------------------------------------------------------------------------ the named API
     def api_generate(self, prompt: str, max_new_tokens: int = 128, block_size: int = 16,
-                     temperature: float = 0.0, pair: str = "", adaptive: bool = False, tree: bool = False,
-                     lookup: bool = False) -> Iterator[dict]:
+                     temperature: float = 0.0, pair: str = "") -> Iterator[dict]:
         """Stream one update per speculative cycle; the last update carries the full text.
 
         Each update: {cycle, committed (token ids), drafted, num_accepted, bonus, text,
-        tokens, tau, finish_reason}. ``adaptive``, ``tree`` and ``lookup`` are the Live tab's
-        verification options (the output is the same with any of them).
+        tokens, tau, finish_reason}. Its inputs stay these five (raw HTTP clients send every
+        input), so the Live tab's verification options are not among them.
         """
         try:
             engine = None
             for item in self.wait_for_engine(pair or self.service.registry.default):
                 if not isinstance(item, str):
                     engine = item
-            cfg = replace(self.config(block_size, temperature, max_new_tokens, None), adaptive=adaptive, tree=tree,
-                          lookup=lookup)
+            cfg = self.config(block_size, temperature, max_new_tokens, None)
             ids, cfg = engine.prepare(prompt, cfg, "dflash")
         except DFlashError as exc:
             raise gr.Error(str(exc)) from None

@@ -89,9 +89,6 @@ def test_updates_arrive_once_per_cycle_and_final_text_equals_the_cli(client, cap
     out = json.loads(capsys.readouterr().out)
     assert final["token_ids"] == out["token_ids"]
     assert final["text"] == out["text"]
-    # The verification options (adaptive, tree, prompt lookup) change the speed, not the text.
-    options = list(client.submit(PROMPT, 48, 16, 0.0, default_pair(), True, True, True, api_name="/generate"))
-    assert options[-1]["token_ids"] == out["token_ids"]
 
 
 def wait_until_idle(client, pair: str, timeout: float = 30.0) -> dict:
