@@ -26,7 +26,7 @@ from .drafter import DFlashDrafter
 from .errors import SettingsError
 from .lookup import LookupStats, NgramIndex, graft, worth_drafting
 from .target import TargetRunner
-from .tree import BRANCHING, DraftTree, build_tree, depth_first, walk
+from .tree import BRANCHING, DraftTree, build_tree, chain_tree, depth_first, walk
 
 RULES = ("match", "pq")
 MAX_TEMPERATURE = 10.0
@@ -278,7 +278,7 @@ def stream(
                 tree = _draft_tree(logits, columns, last, size - 1, verify_costs if config.adaptive else None,
                                    clock.now() - t0, tree_costs, BRANCHING if config.tree else 1, (guess, chances))
             else:
-                tree = DraftTree([last] + guess[:keep], list(range(-1, keep)), list(range(keep + 1)), [1.0] + gains[:keep])
+                tree = chain_tree(last, guess[:keep], gains[:keep])
             lookup_path = tree.find_path(guess)
             if tree.is_chain():  # verified as a chain below: the plain forward is cheaper
                 draft = torch.tensor(tree.tokens[1:], dtype=torch.long, device=target.device)
@@ -392,12 +392,10 @@ def _draft_tree(logits: torch.Tensor, columns: torch.Tensor | None, anchor: int,
         keep, rate = best_count_and_rate(tree.scores[1:], verify_costs, t1_cost, extra)
         # A prefix of the best-first order stops the chain where the first branch would come; a
         # longer chain of top drafts may pay better than any branching.
-        chain_probs = top_probs[:, 0].tolist()
-        chain_keep, chain_rate = best_count_and_rate(torch.tensor(chain_probs).cumprod(0).tolist(), verify_costs, t1_cost)
+        chain_scores = top_probs[:, 0].cumprod(0).tolist()
+        chain_keep, chain_rate = best_count_and_rate(chain_scores, verify_costs, t1_cost)
         if chain_rate > rate:
-            tokens = [anchor] + top_ids[:chain_keep, 0].tolist()
-            scores = [1.0] + torch.tensor(chain_probs[:chain_keep]).cumprod(0).tolist()
-            return DraftTree(tokens, list(range(-1, chain_keep)), list(range(chain_keep + 1)), scores)
+            return chain_tree(anchor, top_ids[:chain_keep, 0].tolist(), chain_scores[:chain_keep])
         keep += 1
         tree = DraftTree(tree.tokens[:keep], tree.parents[:keep], tree.depths[:keep], tree.scores[:keep])
     return depth_first(tree)
@@ -472,7 +470,7 @@ def measure_tree_costs(target: TargetRunner, max_block: int, context: int = 128,
     ids = torch.arange(context, dtype=torch.long) % 1000 + 10
     nodes = list(range(max_block))
     tokens = [20 + n for n in nodes]
-    chain = DraftTree(tokens, [n - 1 for n in nodes], nodes, [1.0] * max_block)
+    chain = chain_tree(tokens[0], tokens[1:], [1.0] * (max_block - 1))
     fork = depth_first(DraftTree(tokens, [n - 1 for n in nodes[:-1]] + [0], nodes[:-1] + [1], [1.0] * max_block))
     star = DraftTree(tokens, [-1] + [0] * (max_block - 1), [0] + [1] * (max_block - 1), [1.0] * max_block)
     target.reset(context + max_block)

@@ -79,6 +79,12 @@ class DraftTree:
         return groups
 
 
+def chain_tree(anchor: int, tokens: Sequence[int], scores: Sequence[float]) -> DraftTree:
+    """A tree that is one chain: ``anchor``, then ``tokens`` in order, each scored by ``scores``."""
+    size = len(tokens) + 1
+    return DraftTree([anchor] + list(tokens), list(range(-1, size - 1)), list(range(size)), [1.0] + list(scores))
+
+
 def depth_first(tree: DraftTree) -> DraftTree:
     """The same tree renumbered depth-first, children best first. Then every root-to-leaf path
     adds one contiguous run of nodes (what ``FastTarget.forward_tree`` needs), and the first
