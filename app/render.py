@@ -11,7 +11,8 @@ LEGEND = (
     '<div class="dfs-legend"><span class="tok tok-accepted">accepted draft</span>'
     '<span class="tok tok-target">target\'s own token</span>'
     '<span class="tok tok-rejected">rejected draft</span>'
-    '<span class="tok tok-unused">draft never checked</span></div>'
+    '<span class="tok tok-unused">draft never checked</span>'
+    '<span class="tok tok-lookup">cycle log, dashed: guessed by prompt lookup</span></div>'
 )
 
 
@@ -51,6 +52,8 @@ def cycle_html(cycle: CycleRecord) -> str:
             cls, note = "tok-rejected", "rejected (first mismatch)"
         else:
             cls, note = "tok-unused", "discarded after the first mismatch"
+        if k < cycle.lookup_drafted:
+            cls, note = cls + " tok-lookup", note + " · guessed by prompt lookup"
         chips.append(f'<span class="tok {cls}" title="{_esc(f"slot {k + 1} · confidence {conf:.2f} · {note}")}">'
                       f"{_esc(_visible(text))}</span>")
     chips.append(f'<span class="dfs-arrow">→</span><span class="tok tok-target" title="the target\'s own token">'

@@ -106,6 +106,7 @@ class CycleEvent:
     tree_nodes: int = 0
     lookup_nodes: int = 0  # verified drafts on prompt lookup's path (shared with the drafter's or not)
     lookup_only: bool = False  # the drafter did not run: prompt lookup's guess alone was verified
+    lookup_drafted: int = 0  # how many of ``drafted`` (from the first) prompt lookup guessed
 
     @property
     def accept_len(self) -> int:
@@ -311,6 +312,8 @@ def stream(
             a = len(kept) - 1
             # The event shows one path: the kept nodes, then the likeliest drafts below them.
             shown = _shown_path(tree, kept)
+            # Both are paths from the root, so the lookup's share of the shown one is a prefix.
+            shown_from_lookup = len(set(shown[1:]) & set(lookup_path))
             drafted = [tree.tokens[n] for n in shown[1:]]
             confidence = [tree.scores[n] / tree.scores[tree.parents[n]] for n in shown[1:]]
             target_choices = [choices[n] for n in shown]
@@ -343,6 +346,7 @@ def stream(
             target.truncate(start + a + 1)
             kept_features = out.features[: a + 1] if speculative else None
             kept_nodes = set(range(a + 1))
+            shown_from_lookup = len(lookup_path)  # a chain: the lookup's nodes are its first ones
         if lookup_path:
             parents = [0] + lookup_path[:-1]
             lookup_stats.record(ngram, sum(p in kept_nodes for p in parents), sum(n in kept_nodes for n in lookup_path))
@@ -359,7 +363,8 @@ def stream(
                 context = torch.cat((context, kept_features))
         yield CycleEvent(index, start + 1, drafted, confidence, target_choices, a, bonus_id, committed,
                          t1 - t0, t2 - t1, produced, reason, tree_nodes=len(tree) - 1 if tree is not None else 0,
-                         lookup_nodes=len(lookup_path), lookup_only=speculative and not drafting and size > 1)
+                         lookup_nodes=len(lookup_path), lookup_only=speculative and not drafting and size > 1,
+                         lookup_drafted=shown_from_lookup)
         if reason:
             return
         last = bonus_id

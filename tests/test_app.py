@@ -228,10 +228,11 @@ def test_real_browser_runs_a_generation_and_shows_coloured_tokens_and_plots(app_
         # drafts, and the output equals the baseline's.
         page.locator("#dfs-tree input[type=checkbox]").check()
         page.locator("#dfs-lookup input[type=checkbox]").check()
-        generate(page, "Write a Python function that multiplies two numbers.", until="running", max_new_tokens=64)
+        generate(page, "Write a Python class Point with x and y, and methods add and sub.", until="running", max_new_tokens=64)
         wait_for_status(page, "done", 240_000)  # "done" of this run, not of the one before
         assert "tree of" in page.locator("#dfs-log").inner_text()
         assert "from prompt lookup" in page.locator("#dfs-log").inner_text()
+        assert page.locator("#dfs-log .tok-lookup").count() >= 1
         assert "identical output" in page.locator("#dfs-speedup").inner_text()
         browser.close()
     assert shot.stat().st_size > 10_000

@@ -55,6 +55,9 @@ def test_default_pair_greedy_dflash_equals_ar(capsys, prompt):
     lookup = run_json(capsys, "generate", "--json", "--prompt", prompt, "--max-new-tokens", "96", "--lookup")
     assert lookup["token_ids"] == ar["token_ids"]
     assert any(c["lookup_nodes"] for c in lookup["cycles"])
+    # The shown drafts the lookup guessed: never more than it had verified nor than were shown.
+    assert all(c["lookup_drafted"] <= min(c["lookup_nodes"], len(c["drafted"])) for c in lookup["cycles"])
+    assert any(c["lookup_drafted"] for c in lookup["cycles"])
     combined = run_json(capsys, "generate", "--json", "--prompt", prompt, "--max-new-tokens", "96", "--tree", "--lookup",
                         "--adaptive")
     assert combined["token_ids"] == ar["token_ids"]

@@ -201,3 +201,24 @@ def test_an_engines_lookup_estimates_carry_over_to_the_next_generation():
     assert any(p != 0.5 for p in learnt.values())  # measured, no longer the prior
     second = collect(stream(runner, drafter, PROMPTS[0], cfg, lookup_stats=shared))
     assert second.token_ids == first.token_ids
+
+
+def test_events_say_which_shown_drafts_the_lookup_guessed():
+    model = tiny_target("llama")
+    runner = FastTarget(model)
+    drafter = tiny_drafter(model)
+    for tree in (False, True):
+        ar = collect(stream(runner, None, PROMPTS[3], GenerationConfig(max_new_tokens=48, block_size=1).validated(16)))
+        index = NgramIndex(list(PROMPTS[3]) + ar.token_ids[:1])
+        cfg = GenerationConfig(max_new_tokens=48, block_size=16, tree=tree, lookup=True).validated(16)
+        marked = 0
+        for event in stream(runner, drafter, PROMPTS[3], cfg):
+            if event.is_prefill:
+                continue
+            # Recompute the cycle's guess from the committed text: the marked drafts are its prefix.
+            guess, _ = index.continuation(15)
+            assert event.drafted[: event.lookup_drafted] == guess[: event.lookup_drafted]
+            assert event.lookup_drafted <= event.lookup_nodes
+            marked += event.lookup_drafted
+            index.extend(event.committed)
+        assert marked > 0
