@@ -95,10 +95,10 @@ class LookupStats:
     def probabilities(self, ngram: int, count: int) -> list[float]:
         return [self.probability(ngram, d) for d in range(1, count + 1)]
 
-    def record(self, ngram: int, tried: int, kept: int) -> None:
-        """The first ``tried`` lookup tokens were verified with their parents kept; ``kept`` of
-        them (a prefix) were kept."""
-        for depth in range(1, tried + 1):
+    def record(self, ngram: int, verified: int, kept: int) -> None:
+        """A cycle verified the guess's first ``verified`` tokens and kept the first ``kept``: the
+        tokens up to the first rejected one were tried (their parents were kept)."""
+        for depth in range(1, min(verified, kept + 1) + 1):
             key = self._key(ngram, depth)
             self._tries[key] = self._tries.get(key, 0.0) * self.keep + 1
             self._hits[key] = self._hits.get(key, 0.0) * self.keep + (depth <= kept)

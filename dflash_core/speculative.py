@@ -14,7 +14,9 @@ the UI — consumes the ``CycleEvent`` stream this module yields.
 
 from __future__ import annotations
 
+import itertools
 import math
+import operator
 import time
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator, Sequence
@@ -271,7 +273,7 @@ def stream(
             chances = lookup_stats.probabilities(ngram, len(guess))
             if config.adaptive and verify_costs and guess and draft_cost is not None:
                 # A confident guess may be worth verifying alone, without paying for the drafter.
-                gains = torch.tensor(chances).cumprod(0).tolist()
+                gains = list(itertools.accumulate(chances, operator.mul))
                 keep = best_count_and_rate(gains, verify_costs)[0]
                 drafting = keep == 0 or worth_drafting(gains[:keep], verify_costs[keep], draft_cost, drafter_gain)
             if drafting:
@@ -312,14 +314,14 @@ def stream(
             a = len(kept) - 1
             # The event shows one path: the kept nodes, then the likeliest drafts below them.
             shown = _shown_path(tree, kept)
-            # Both are paths from the root, so the lookup's share of the shown one is a prefix.
-            shown_from_lookup = len(set(shown[1:]) & set(lookup_path))
+            # All three are paths from the root: what they share with the lookup's is a prefix.
+            shown_from_lookup = len(set(shown[1:]).intersection(lookup_path))
+            lookup_kept = len(set(kept).intersection(lookup_path))
             drafted = [tree.tokens[n] for n in shown[1:]]
             confidence = [tree.scores[n] / tree.scores[tree.parents[n]] for n in shown[1:]]
             target_choices = [choices[n] for n in shown]
             target.keep_path(kept)
             kept_features = out.features[kept]
-            kept_nodes = set(kept)
         else:
             block = torch.cat((torch.tensor([last], device=target.device), draft))
             out = target.forward(block, layer_ids)
@@ -345,12 +347,11 @@ def stream(
             # update: positions start..start+a hold the kept tokens; everything after is forgotten.
             target.truncate(start + a + 1)
             kept_features = out.features[: a + 1] if speculative else None
-            kept_nodes = set(range(a + 1))
-            shown_from_lookup = len(lookup_path)  # a chain: the lookup's nodes are its first ones
+            # A chain: the lookup's nodes are its first ones.
+            shown_from_lookup, lookup_kept = len(lookup_path), min(len(lookup_path), a)
         if lookup_path:
-            parents = [0] + lookup_path[:-1]
-            lookup_stats.record(ngram, sum(p in kept_nodes for p in parents), sum(n in kept_nodes for n in lookup_path))
-        if drafting and use_tree and (not lookup_path or lookup_path[0] not in kept_nodes):
+            lookup_stats.record(ngram, len(lookup_path), lookup_kept)
+        if drafting and use_tree and lookup_kept == 0:
             drafter_gain = 0.9 * drafter_gain + 0.1 * a  # what the drafter adds where the guess fails at once
         committed, reason = finish(drafted[:a] + [bonus_id], produced)
         produced += len(committed)
@@ -363,7 +364,7 @@ def stream(
                 context = torch.cat((context, kept_features))
         yield CycleEvent(index, start + 1, drafted, confidence, target_choices, a, bonus_id, committed,
                          t1 - t0, t2 - t1, produced, reason, tree_nodes=len(tree) - 1 if tree is not None else 0,
-                         lookup_nodes=len(lookup_path), lookup_only=speculative and not drafting and size > 1,
+                         lookup_nodes=len(lookup_path), lookup_only=not drafting and size > 1,
                          lookup_drafted=shown_from_lookup)
         if reason:
             return
