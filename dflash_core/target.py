@@ -30,6 +30,7 @@ from typing import Protocol, Sequence
 import torch
 import torch.nn.functional as F
 
+from .kernels import Linear
 from .tree import DraftTree
 
 FAST_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
@@ -200,13 +201,12 @@ def _fuse_linears(linears: Sequence[torch.nn.Linear]) -> torch.Tensor:
 @dataclass
 class _Layer:
     ln1: torch.Tensor
-    wqkv: torch.Tensor
-    bqkv: torch.Tensor | None
+    qkv: Linear  # q, k and v projections fused (with their biases where the model has them)
     qk_norm: torch.Tensor | None  # (q_heads + kv_heads, D): Qwen3's q_norm / k_norm, stacked
-    wo: torch.Tensor
+    o: Linear
     ln2: torch.Tensor
-    wgu: torch.Tensor
-    wd: torch.Tensor
+    gate_up: Linear  # gate and up projections fused
+    down: Linear
 
 
 class FastTarget:
@@ -232,6 +232,7 @@ class FastTarget:
         self.device = self.embed_weight.device
         self.dtype = self.embed_weight.dtype
         self._lm_head = model.get_output_embeddings().weight.detach()
+        self._lm_head_linear = Linear(self._lm_head)
         self.final_norm = inner.norm.weight.detach()
         self.rotary = inner.rotary_emb
         self.layers = [self._fuse(layer) for layer in inner.layers]
@@ -266,13 +267,12 @@ class FastTarget:
             qk_norm = torch.cat((q_norm.weight.detach().expand(heads, -1), k_norm.weight.detach().expand(kv_heads, -1)))
         return _Layer(
             ln1=layer.input_layernorm.weight.detach(),
-            wqkv=wqkv,
-            bqkv=bqkv,
+            qkv=Linear(wqkv, bqkv),
             qk_norm=qk_norm,
-            wo=att.o_proj.weight.detach(),
+            o=Linear(att.o_proj.weight.detach()),
             ln2=layer.post_attention_layernorm.weight.detach(),
-            wgu=_fuse_linears((mlp.gate_proj, mlp.up_proj)),
-            wd=mlp.down_proj.weight.detach(),
+            gate_up=Linear(_fuse_linears((mlp.gate_proj, mlp.up_proj))),
+            down=Linear(mlp.down_proj.weight.detach()),
         )
 
     @property
@@ -335,7 +335,7 @@ class FastTarget:
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queries (T, heads, D), already scaled by 1/sqrt(D), keys and values (T, kv_heads, D)."""
         h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = F.linear(self.norm(x, layer.ln1), layer.wqkv, layer.bqkv).unflatten(-1, (h + 2 * kv, d))
+        qkv = layer.qkv(self.norm(x, layer.ln1)).unflatten(-1, (h + 2 * kv, d))
         qk = qkv[:, : h + kv]
         if layer.qk_norm is not None:
             qk = self.norm(qk, layer.qk_norm)
@@ -344,12 +344,12 @@ class FastTarget:
 
     def finish_layer(self, layer: _Layer, x: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
         """The residual stream after the layer, given its attention output (T, heads * D)."""
-        x = x + F.linear(attention, layer.wo)
-        gate, up = F.linear(self.norm(x, layer.ln2), layer.wgu).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, layer.wd)
+        x = x + layer.o(attention)
+        gate, up = layer.gate_up(self.norm(x, layer.ln2)).chunk(2, dim=-1)
+        return x + layer.down(F.silu(gate) * up)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.norm(x, self.final_norm), self._lm_head)
+        return self._lm_head_linear(self.norm(x, self.final_norm))
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, layer_ids: Sequence[int] | None, last_only: bool = False) -> TargetOutput:

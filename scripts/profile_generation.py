@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 from dflash_core.loading import load_target
 from dflash_core.registry import load_registry
@@ -87,10 +86,10 @@ def main() -> None:
     def products() -> None:
         with torch.inference_mode():
             for layer in runner.layers:
-                F.linear(x, layer.wqkv, layer.bqkv)
-                F.linear(attention_out, layer.wo)
-                gate, up = F.linear(x, layer.wgu).chunk(2, dim=-1)
-                F.linear(gate * up, layer.wd)
+                layer.qkv(x)
+                layer.o(attention_out)
+                gate, up = layer.gate_up(x).chunk(2, dim=-1)
+                layer.down(gate * up)
             runner.logits(x)
 
     products()

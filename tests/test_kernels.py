@@ -1,0 +1,57 @@
+"""Pre-packed linear layers (dflash_core/kernels.py): same numbers as F.linear, or not used."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dflash_core.kernels import Linear
+from conftest import tiny_target
+
+
+def _packing_expected() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_equals_f_linear_for_every_row_count(bias):
+    g = torch.Generator().manual_seed(3)
+    weight = (torch.randn(384, 192, generator=g) * 0.05).to(torch.bfloat16)
+    b = (torch.randn(384, generator=g) * 0.1).to(torch.bfloat16) if bias else None
+    linear = Linear(weight, b)
+    if linear.packed is None:
+        assert not _packing_expected(), "oneDNN is available, yet the packed weight was refused"
+        pytest.skip("this machine's oneDNN does not pack bf16 weights exactly")
+    x = torch.randn(70, 192, generator=g).to(torch.bfloat16)
+    reference = F.linear(x, weight, b)
+    for rows in (2, 3, 5, 16, 17, 64, 70):
+        assert torch.equal(linear(x[:rows]), reference[:rows]), rows
+    # Rows that are a view with an offset (as a decoder slices its hidden states) pack the same.
+    assert torch.equal(linear(x[5:21]), reference[5:21])
+
+
+def test_float32_weights_and_other_dtypes_stay_on_f_linear():
+    weight = torch.randn(64, 32)
+    linear = Linear(weight)
+    assert linear.packed is None
+    x = torch.randn(4, 32)
+    assert torch.equal(linear(x), F.linear(x, weight))
+    assert Linear(weight.to(torch.bfloat16), pack=False).packed is None
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_fast_target_layers_are_packed_and_lossless(family):
+    """A bf16 target's projections and LM head are packed, and a token decoded alone still
+    gets exactly the logits it gets inside a block (the property greedy DFlash relies on)."""
+    from dflash_core.target import FastTarget
+
+    runner = FastTarget(tiny_target(family, dtype=torch.bfloat16))
+    if _packing_expected():
+        layer = runner.layers[0]
+        assert all(lin.packed is not None for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
+        assert runner._lm_head_linear.packed is not None
+    ids = torch.randint(5, runner.vocab_size, (24,), generator=torch.Generator().manual_seed(1))
+    runner.reset(64)
+    block = runner.forward(ids, None).logits
+    runner.reset(64)
+    alone = torch.cat([runner.forward(ids[i : i + 1], None).logits for i in range(len(ids))])
+    assert torch.equal(block, alone)
