@@ -28,6 +28,7 @@ from transformers import Qwen3Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from .errors import DrafterMismatchError, ModelLoadError
+from .kernels import Linear, pack_linears
 
 ARCHITECTURE = "DFlashDraftModel"
 CONFIG_NAME = "config.json"
@@ -402,6 +403,7 @@ class DFlashDrafter(nn.Module):
         # way: the target verifies every draft. Kept out of the state dict (its own file).
         self.draft_vocab: torch.Tensor | None = None
         self._head_cache: tuple | None = None
+        self._packed = False  # see pack_for_inference
 
     def set_draft_vocab(self, token_ids: torch.Tensor | None) -> None:
         if token_ids is not None:
@@ -417,12 +419,22 @@ class DFlashDrafter(nn.Module):
         (``None``: column i is token i)."""
         if self.draft_vocab is None:
             return self.logits(hidden, lm_head_weight), None
-        key = (lm_head_weight.data_ptr(), lm_head_weight.device, lm_head_weight.dtype)
+        key = (lm_head_weight.data_ptr(), lm_head_weight.device, lm_head_weight.dtype, self._packed)
         if self._head_cache is None or self._head_cache[0] != key:
             vocab = self.draft_vocab.to(lm_head_weight.device)
-            self._head_cache = (key, lm_head_weight.index_select(0, vocab).contiguous(), vocab)
+            rows = Linear(lm_head_weight.index_select(0, vocab).contiguous(), pack=self._packed)
+            self._head_cache = (key, rows, vocab)
         _, rows, vocab = self._head_cache
-        return self.logits(hidden, rows), vocab
+        return self._shape_logits(rows(hidden)), vocab
+
+    def pack_for_inference(self) -> int:
+        """Run this (frozen, inference-only) drafter's matrix products through weights packed
+        once for oneDNN (``kernels.py``: only where the numbers stay F.linear's); a weight that
+        is later replaced or changed falls back to the plain product. Returns how many linears
+        were packed."""
+        self._packed = True
+        self._head_cache = None
+        return pack_linears(self)
 
     @property
     def block_size(self) -> int:
@@ -467,7 +479,9 @@ class DFlashDrafter(nn.Module):
 
     def logits(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
         """Logits through the target's (shared, frozen) LM head, with the optional z-lab scalings."""
-        logits = F.linear(hidden, lm_head_weight)
+        return self._shape_logits(F.linear(hidden, lm_head_weight))
+
+    def _shape_logits(self, logits: torch.Tensor) -> torch.Tensor:
         if self.config.output_multiplier != 1.0:
             logits = logits * self.config.output_multiplier
         cap = self.config.final_logit_softcapping

@@ -286,7 +286,9 @@ def load_drafter(
     cfg = target.config
     drafter.check_fits(int(cfg.num_hidden_layers), int(cfg.hidden_size), int(cfg.vocab_size), target.name)
     drafter.requires_grad_(False)
-    return drafter.to(device=device, dtype=torch_dtype(dtype)).eval()
+    drafter = drafter.to(device=device, dtype=torch_dtype(dtype)).eval()
+    drafter.pack_for_inference()
+    return drafter
 
 
 @dataclass

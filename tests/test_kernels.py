@@ -55,3 +55,29 @@ def test_fast_target_layers_are_packed_and_lossless(family):
     runner.reset(64)
     alone = torch.cat([runner.forward(ids[i : i + 1], None).logits for i in range(len(ids))])
     assert torch.equal(block, alone)
+
+
+def test_packed_drafter_gives_the_same_hidden_states_and_follows_weight_changes():
+    """pack_for_inference changes no number; a weight changed afterwards is not served stale."""
+    from conftest import tiny_drafter
+
+    target = tiny_target("qwen3", dtype=torch.bfloat16)
+    drafter = tiny_drafter(target).to(torch.bfloat16).eval().requires_grad_(False)
+    g = torch.Generator().manual_seed(2)
+    noise = torch.randn(1, 16, 64, generator=g).to(torch.bfloat16)
+    features = torch.randn(1, 7, len(drafter.target_layer_ids) * 64, generator=g).to(torch.bfloat16)
+    args = (noise, torch.arange(7, 23), features, torch.arange(7))
+    with torch.inference_mode():
+        plain = drafter(*args)
+        packed_count = drafter.pack_for_inference()
+        if _packing_expected():
+            assert packed_count == sum(isinstance(m, torch.nn.Linear) for m in drafter.modules())
+        assert torch.equal(drafter(*args), plain)
+        drafter.layers[0].mlp.down_proj.weight.mul_(2.0)  # in place: the packed copy is now stale
+        changed = drafter(*args)
+        drafter.layers[0].mlp.down_proj.weight.div_(2.0)
+    assert not torch.equal(changed, plain)
+    unpacked = tiny_drafter(target).to(torch.bfloat16).eval().requires_grad_(False)
+    with torch.inference_mode():
+        unpacked.layers[0].mlp.down_proj.weight.mul_(2.0)
+        assert torch.equal(unpacked(*args), changed)

@@ -44,6 +44,7 @@ def evaluate_drafter(target: LoadedTarget, drafter_dir: str | Path, num_prompts:
                      max_new_tokens: int = 256) -> dict[str, Any]:
     """tau on HumanEval (B=16, B=8, T=0.7) and on held-out chat prompts; written to the card."""
     drafter = DFlashDrafter.from_pretrained(drafter_dir, dtype=target.runner.dtype, device=target.runner.device)
+    drafter.requires_grad_(False).eval().pack_for_inference()
     humaneval = load_prompt_set("humaneval")[:num_prompts]
     heldout = load_prompt_set("heldout")[:num_prompts]
     measured = {
