@@ -50,9 +50,16 @@ def _prefix_length(matches: torch.Tensor) -> torch.Tensor:
     return matches.to(torch.int64).cumprod(0).sum()
 
 
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """The greedy choice of every row. In float32: widening is exact, so the index (ties to the
+    first) is the same, and on this CPU argmax over bf16 rows is ~4x slower (1.06 ms against
+    0.28 for 12 rows of 49,152 logits, conversion included)."""
+    return logits.float().argmax(-1)
+
+
 def greedy(draft: torch.Tensor, target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (num_accepted, bonus, target_choices). ``draft``: (k,), ``target_logits``: (k+1, V)."""
-    choices = target_logits.argmax(-1)
+    choices = argmax(target_logits)
     accepted = _prefix_length(draft == choices[:-1])
     return accepted, choices[accepted], choices
 

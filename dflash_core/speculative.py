@@ -222,7 +222,7 @@ def stream(
     def choose(logits: torch.Tensor) -> torch.Tensor:
         if sampling:
             return acceptance.sample(acceptance.warp(logits, config.temperature, config.top_p, config.top_k), generator)
-        return logits.argmax(-1)
+        return acceptance.argmax(logits)
 
     def finish(committed: list[int], produced: int) -> tuple[list[int], str | None]:
         """Cut ``committed`` at the first stop token or at the token budget."""
@@ -265,12 +265,12 @@ def stream(
         conf = torch.empty(0, device=target.device)
         draft_probs = None
         tree = None
-        guess, ngram, lookup_path = [], 0, []
+        guess, match_len, lookup_path = [], 0, []
         drafting = size > 1
         if size > 1 and use_tree:
             if ngrams is not None:
-                guess, ngram = ngrams.continuation(size - 1)
-            chances = lookup_stats.probabilities(ngram, len(guess))
+                guess, match_len = ngrams.continuation(size - 1)
+            chances = lookup_stats.probabilities(match_len, len(guess))
             if config.adaptive and verify_costs and guess and draft_cost is not None:
                 # A confident guess may be worth verifying alone, without paying for the drafter.
                 gains = list(itertools.accumulate(chances, operator.mul))
@@ -350,7 +350,7 @@ def stream(
             # A chain: the lookup's nodes are its first ones.
             shown_from_lookup, lookup_kept = len(lookup_path), min(len(lookup_path), a)
         if lookup_path:
-            lookup_stats.record(ngram, len(lookup_path), lookup_kept)
+            lookup_stats.record(match_len, len(lookup_path), lookup_kept)
         if drafting and use_tree and lookup_kept == 0:
             drafter_gain = 0.9 * drafter_gain + 0.1 * a  # what the drafter adds where the guess fails at once
         committed, reason = finish(drafted[:a] + [bonus_id], produced)
@@ -447,22 +447,37 @@ def choose_draft_length(confidence: torch.Tensor, verify_costs: Sequence[float],
     return best_count_and_rate(torch.cumprod(confidence[:k_max].float(), 0).tolist(), verify_costs, t1_cost)[0]
 
 
-def measure_verify_costs(target: TargetRunner, max_block: int, context: int = 128, repeats: int = 3) -> list[float]:
-    """Median time of a target forward over 1..max_block tokens after ``context`` tokens."""
+def measure_verify_costs(target: TargetRunner, max_block: int, context: int = 128, repeats: int = 5) -> list[float]:
+    """Time of a target forward over 1..max_block tokens after ``context`` tokens: the median of
+    ``repeats`` rounds (every size once per round, so machine drift hits all sizes alike), made
+    non-decreasing in the number of tokens (``monotone``): a dip or a spike in one size is
+    noise, and adaptive drafting would chase it."""
     clock = _Clock(target.device)
     ids = torch.arange(context + max_block, dtype=torch.long) % 1000 + 10
     target.reset(context + max_block)
     target.forward(ids[:context], None, last_only=True)
-    costs = []
-    for size in range(1, max_block + 1):
-        times = []
-        for _ in range(repeats):
+    times: list[list[float]] = [[] for _ in range(max_block)]
+    for round_ in range(repeats + 1):  # round 0 warms up
+        for size in range(1, max_block + 1):
             t0 = clock.now()
             target.forward(ids[context : context + size], None)
-            times.append(clock.now() - t0)
+            if round_:
+                times[size - 1].append(clock.now() - t0)
             target.truncate(context)
-        costs.append(sorted(times)[len(times) // 2])
-    return costs
+    return monotone([sorted(t)[len(t) // 2] for t in times])
+
+
+def monotone(values: Sequence[float]) -> list[float]:
+    """The non-decreasing sequence closest to ``values`` in squared error (pool adjacent
+    violators: a run that decreases is replaced by its mean)."""
+    blocks: list[list[float]] = []  # [sum, count]
+    for v in values:
+        blocks.append([v, 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    return [total / count for total, count in blocks for _ in range(int(count))]
 
 
 def measure_tree_costs(target: TargetRunner, max_block: int, context: int = 128, repeats: int = 9) -> tuple[float, float]:

@@ -492,7 +492,7 @@ class FastTarget:
             scores[..., start:end] = scores[..., start:end].gather(-1, gather)
             scores = scores.masked_fill(hidden_mask[:, None, :], float("-inf"))
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(self.dtype)
-            values = self._v[li, :, start:end].clone()  # (kv, real, d), node order
+            values = v[:real].transpose(0, 1)  # (kv, real, d), node order (what was written above)
             tree_values.append(values)
             first = torch.matmul(probs[:, :main].reshape(kv, main * group, cap), self._v[li])
             first = first.view(kv, main, group, d).transpose(0, 1)  # (rows, kv, group, d)

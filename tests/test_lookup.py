@@ -10,7 +10,7 @@ import torch
 
 from conftest import tiny_drafter, tiny_target
 from dflash_core.errors import SettingsError
-from dflash_core.lookup import MAX_NGRAM, MIN_NGRAM, LookupStats, NgramIndex, graft, worth_drafting
+from dflash_core.lookup import MAX_MATCH, MAX_NGRAM, MIN_NGRAM, LookupStats, NgramIndex, graft, worth_drafting
 from dflash_core.speculative import GenerationConfig, collect, stream
 from dflash_core.target import FastTarget, HFTarget
 from dflash_core.tree import DraftTree, build_tree
@@ -18,14 +18,17 @@ from test_speculative import PROMPTS, RecordingDrafter
 
 
 def naive_continuation(tokens: list[int], length: int) -> tuple[list[int], int]:
-    """The latest earlier occurrence of the longest suffix, found by scanning, copied overlapping."""
+    """The latest earlier occurrence of the longest suffix, found by scanning, copied overlapping;
+    and the longest m <= MAX_MATCH for which the m tokens before it equal the last m."""
     for n in range(min(MAX_NGRAM, len(tokens)), MIN_NGRAM - 1, -1):
         for start in range(len(tokens) - n - 1, -1, -1):
             if tokens[start : start + n] == tokens[-n:]:
                 ext = list(tokens)
                 while len(ext) < start + n + length:
                     ext.append(ext[len(ext) - (len(tokens) - start - n)])
-                return ext[start + n : start + n + length], n
+                end = start + n
+                match = max(m for m in range(n, min(MAX_MATCH, end) + 1) if tokens[end - m : end] == tokens[-m:])
+                return ext[start + n : start + n + length], match
     return [], 0
 
 
@@ -38,6 +41,10 @@ def test_continuation_copies_after_the_latest_occurrence_of_the_longest_suffix()
     # Runs and periods are copied past the end of what is known.
     assert NgramIndex([9, 7, 7, 7, 7]).continuation(5) == ([7] * 5, 3)
     assert NgramIndex([3, 1, 2, 1, 2]).continuation(5) == ([1, 2, 1, 2, 1], 2)
+    # The match is measured back past the n-gram that found it, up to MAX_MATCH tokens.
+    assert NgramIndex([1, 2, 3, 4, 5, 9, 7, 2, 3, 4, 5]).continuation(2) == ([9, 7], 4)
+    run = list(range(10, 30))
+    assert NgramIndex(run + [0] + run[:-1]).continuation(2) == ([29, 0], MAX_MATCH)
     rng = random.Random(0)
     for _ in range(300):
         tokens = [rng.randrange(4) for _ in range(rng.randrange(1, 30))]
@@ -48,7 +55,7 @@ def test_continuation_copies_after_the_latest_occurrence_of_the_longest_suffix()
         assert index.continuation(length) == naive_continuation(tokens, length), tokens
 
 
-def test_lookup_stats_start_at_the_prior_and_learn_per_ngram_and_depth():
+def test_lookup_stats_start_at_the_prior_and_learn_per_match_length_and_depth():
     stats = LookupStats(prior=0.5, prior_weight=2)
     assert stats.probabilities(2, 4) == [0.5] * 4
     stats.record(2, verified=5, kept=1)  # depth 1 kept, depth 2 rejected, depths 3..5 never reached
@@ -57,7 +64,7 @@ def test_lookup_stats_start_at_the_prior_and_learn_per_ngram_and_depth():
     assert stats.probability(2, 3) == 0.5
     stats.record(2, verified=6, kept=6)  # all kept: depths 1..6 tried and kept
     assert stats.probability(2, 7) == stats.probability(2, 3) == pytest.approx((4 + 1) / (4 + 2))  # depth 3+ share
-    assert stats.probability(1, 1) == 0.5  # other n-gram sizes untouched
+    assert stats.probability(1, 1) == 0.5  # other match lengths untouched
 
 
 def check_best_first(tree: DraftTree) -> None:
@@ -199,7 +206,7 @@ def test_an_engines_lookup_estimates_carry_over_to_the_next_generation():
     shared = LookupStats(memory=50)
     cfg = GenerationConfig(max_new_tokens=48, block_size=16, lookup=True).validated(16)
     first = collect(stream(runner, drafter, PROMPTS[0], cfg, lookup_stats=shared))
-    learnt = {n: shared.probability(n, 1) for n in range(MIN_NGRAM, MAX_NGRAM + 1)}
+    learnt = {n: shared.probability(n, 1) for n in range(MIN_NGRAM, MAX_MATCH + 1)}
     assert any(p != 0.5 for p in learnt.values())  # measured, no longer the prior
     second = collect(stream(runner, drafter, PROMPTS[0], cfg, lookup_stats=shared))
     assert second.token_ids == first.token_ids
@@ -219,15 +226,15 @@ def test_events_say_which_shown_drafts_the_lookup_guessed():
             if event.is_prefill:
                 continue
             # Recompute the cycle's guess from the committed text: the marked drafts are its prefix.
-            guess, ngram = index.continuation(15)
+            guess, match = index.continuation(15)
             assert event.drafted[: event.lookup_drafted] == guess[: event.lookup_drafted]
             assert event.lookup_drafted <= event.lookup_nodes
             marked += event.lookup_drafted
             if event.lookup_nodes:  # the kept drafts are the first shown ones
-                expected.record(ngram, event.lookup_nodes, min(event.lookup_drafted, event.num_accepted))
+                expected.record(match, event.lookup_nodes, min(event.lookup_drafted, event.num_accepted))
             index.extend(event.committed)
         assert marked > 0
         # The loop recorded exactly what its events say the guesses verified and kept.
-        cells = [(n, d) for n in range(MIN_NGRAM, MAX_NGRAM + 1) for d in (1, 2, 3)]
+        cells = [(n, d) for n in range(MIN_NGRAM, MAX_MATCH + 1) for d in (1, 2, 3)]
         assert [measured.probability(*c) for c in cells] == pytest.approx([expected.probability(*c) for c in cells])
         assert any(measured.probability(*c) != 0.5 for c in cells)

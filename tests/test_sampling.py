@@ -87,6 +87,16 @@ def test_greedy_rule_is_the_argmax_prefix():
     assert (int(a), int(bonus), choices.tolist()) == (2, 2, [1, 0, 2, 0])
 
 
+def test_argmax_is_the_model_dtypes_argmax_ties_included():
+    g = torch.Generator().manual_seed(0)
+    # Few distinct bf16 values per row, so most rows have a tied maximum somewhere.
+    logits = (torch.randint(0, 6, (64, 300), generator=g) * 0.37).to(torch.bfloat16)
+    logits[5, [7, 9, 200]] = 9.0
+    logits[6, -1] = float("nan")  # NaN wins in both
+    assert torch.equal(acceptance.argmax(logits), logits.argmax(-1))
+    assert int(acceptance.argmax(logits)[5]) == 7
+
+
 def test_warp_applies_top_k_and_top_p():
     logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
     assert torch.allclose(acceptance.warp(logits, 1.0), torch.tensor([0.5, 0.3, 0.15, 0.05]), atol=1e-6)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -187,6 +189,7 @@ def test_adaptive_drafting_stays_lossless_and_verifies_fewer_slots():
     drafter = tiny_drafter(model)
     costs = measure_verify_costs(runner, 16, context=32, repeats=1)
     assert len(costs) == 16 and all(c > 0 for c in costs)
+    assert costs == sorted(costs)  # a longer verify never measured cheaper
     # Verifying is made to look expensive: an unconfident random drafter then verifies little.
     steep = [0.001 * (1 + 10 * s) for s in range(16)]
     for prompt in PROMPTS:
@@ -195,6 +198,20 @@ def test_adaptive_drafting_stays_lossless_and_verifies_fewer_slots():
         out = collect(stream(runner, drafter, prompt, cfg, verify_costs=steep))
         assert out.token_ids == ar.token_ids
         assert max(len(c.drafted) for c in out.cycles) < 15
+
+
+def test_monotone_fit_pools_what_decreases_and_keeps_what_does_not():
+    from dflash_core.speculative import monotone
+
+    assert monotone([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]
+    assert monotone([1.0, 3.0, 2.0, 4.0]) == [1.0, 2.5, 2.5, 4.0]
+    assert monotone([5.0, 1.0, 3.0]) == [3.0, 3.0, 3.0]
+    rng = random.Random(1)
+    for _ in range(200):
+        values = [rng.random() for _ in range(rng.randrange(1, 12))]
+        fit = monotone(values)
+        assert fit == sorted(fit) and len(fit) == len(values)
+        assert sum(fit) == pytest.approx(sum(values))  # pooling keeps the total
 
 
 def test_a_draft_vocabulary_stays_lossless_and_round_trips(tmp_path):
