@@ -458,18 +458,22 @@ class FastTarget:
                 a, b = nodes[0], nodes[-1] + 1
                 first = max(0, min(a, b - self._min_rows))
                 turns.append((tree.depths[a], first, a, b, max(b, min(t, first + self._min_rows))))
+        h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
         if use_replicas:
+            # Index vectors for the whole pass (the same in every layer), so that each layer
+            # moves rows with index_select / index_copy_, the cheapest indexing ops.
             width = max(max(len(nodes) for _, nodes in others), self._min_rows)
             firsts = [min(nodes[0], t - width) for _, nodes in others]
-            window = torch.tensor(firsts, device=self.device)[:, None] + torch.arange(width, device=self.device)
-            owner = [p for p, (_, nodes) in enumerate(others) for _ in nodes]
-            rows = [n for _, nodes in others for n in nodes]
-            pick = (torch.tensor(owner, device=self.device), torch.tensor([r - firsts[p] for r, p in zip(rows, owner)], device=self.device))
-            write_path = torch.tensor([p for p, (path, _) in enumerate(others) for _ in path], device=self.device)
-            write_node = torch.tensor([n for path, _ in others for n in path], device=self.device)
-            write_pos = start + torch.tensor([tree.depths[n] for path, _ in others for n in path], device=self.device)
+            window = [f + i for f in firsts for i in range(width)]  # path p's rows: p*width..
+            # Node r of path p is row r - firsts[p] of p's product.
+            pick = [p * width + r - firsts[p] for p, (_, nodes) in enumerate(others) for r in nodes]
+            # Path p's nodes go into replica p at their depths: flat rows of (paths, kv, cap).
+            write_node = [n for path, _ in others for n in path]
+            write_row = [(p * kv + head) * cap + start + tree.depths[n]
+                         for p, (path, _) in enumerate(others) for n in path for head in range(kv)]
+            window, pick, write_node, write_row = (torch.tensor(x, device=self.device)
+                                                   for x in (window, pick, write_node, write_row))
             replicas = self._value_replicas(paths, start)
-        h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
         group = h // kv
         positions = start + depths
         cos, sin = self._cos[positions], self._sin[positions]
@@ -499,11 +503,12 @@ class FastTarget:
             if not paths:  # a chain (with its padding rows, if any)
                 att = first
             elif use_replicas:
-                layer_replicas = replicas[li, :, :paths]  # (kv, paths, cap, d)
-                layer_replicas[:, write_path, write_pos] = v[write_node].transpose(0, 1)
-                chosen = probs[:, window].view(kv * paths, width * group, cap)
-                out = torch.bmm(chosen, layer_replicas.reshape(kv * paths, cap, d)).view(kv, paths, width, group, d)
-                parts = [first[: len(groups[0][1])], out[:, pick[0], pick[1]].transpose(0, 1)]
+                layer_replicas = replicas[li, :paths]  # (paths, kv, cap, d), contiguous
+                layer_replicas.view(-1, d).index_copy_(0, write_row, v.index_select(0, write_node).view(-1, d))
+                chosen = probs.index_select(1, window).view(kv, paths, width * group, cap).transpose(0, 1)
+                out = torch.bmm(chosen.reshape(paths * kv, width * group, cap), layer_replicas.view(paths * kv, cap, d))
+                out = out.view(paths, kv, width, group, d).transpose(1, 2).reshape(paths * width, kv, group, d)
+                parts = [first[: len(groups[0][1])], out.index_select(0, pick)]
                 if t > real:  # padding rows: copies of the last node
                     parts.append(parts[-1][-1:].expand(t - real, -1, -1, -1))
                 att = torch.cat(parts)
@@ -525,19 +530,20 @@ class FastTarget:
         return TargetOutput(self.logits(x[:real]), features)
 
     def _value_replicas(self, paths: int, start: int) -> torch.Tensor:
-        """(layers, kv, >= paths, capacity, D) copies of the value cache, the first ``paths``
-        valid before ``start``. Kept between calls: each replica copies in only the positions
+        """(layers, >= paths, kv, capacity, D) copies of the value cache, the first ``paths``
+        valid before ``start`` (path-major, so one layer's first ``paths`` replicas are one
+        contiguous block). Kept between calls: each replica copies in only the positions
         committed since it was last used."""
         old = self._replicas
-        if old is None or old.shape[2] < paths or old.shape[3] != self._capacity:
-            count = paths if old is None or old.shape[2] < paths else old.shape[2]
-            shape = (self.num_layers, self.num_kv_heads, max(count, 8), self._capacity, self.head_dim)
+        if old is None or old.shape[1] < paths or old.shape[3] != self._capacity:
+            count = paths if old is None or old.shape[1] < paths else old.shape[1]
+            shape = (self.num_layers, max(count, 8), self.num_kv_heads, self._capacity, self.head_dim)
             self._replicas = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            self._replicas_valid = [0] * shape[2]
+            self._replicas_valid = [0] * shape[1]
         for p in range(paths):
             valid = self._replicas_valid[p]
             if valid < start:
-                self._replicas[:, :, p, valid:start] = self._v[:, :, valid:start]
+                self._replicas[:, p, :, valid:start] = self._v[:, :, valid:start]
             self._replicas_valid[p] = start
         return self._replicas
 
