@@ -236,7 +236,7 @@ def stream(
 
     # ---- prefill: the first token comes from the target alone
     t0 = clock.now()
-    out = target.forward(torch.tensor(prompt_ids, dtype=torch.long), layer_ids, last_only=True, prompt=True)
+    out = target.forward(torch.tensor(prompt_ids, dtype=torch.long), layer_ids, last_only=True)
     first = int(choose(out.logits[-1]))
     t1 = clock.now()
     committed, reason = finish([first], 0)

@@ -64,11 +64,8 @@ class TargetRunner(Protocol):
     def reset(self, capacity: int) -> None:
         """Start a new sequence that will hold at most ``capacity`` positions."""
 
-    def forward(self, input_ids: torch.Tensor, layer_ids: Sequence[int] | None, last_only: bool = False,
-                prompt: bool = False) -> TargetOutput:
-        """Append ``input_ids`` (T,) after the cached positions and return their logits/features.
-        ``prompt``: they are a new sequence's prompt (a runner may compute those differently,
-        never the positions after them)."""
+    def forward(self, input_ids: torch.Tensor, layer_ids: Sequence[int] | None, last_only: bool = False) -> TargetOutput:
+        """Append ``input_ids`` (T,) after the cached positions and return their logits/features."""
 
     def truncate(self, length: int) -> None:
         """Keep only the first ``length`` cached positions."""
@@ -126,8 +123,7 @@ class HFTarget:
         self._length = 0
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, layer_ids: Sequence[int] | None, last_only: bool = False,
-                prompt: bool = False) -> TargetOutput:
+    def forward(self, input_ids: torch.Tensor, layer_ids: Sequence[int] | None, last_only: bool = False) -> TargetOutput:
         t = input_ids.shape[-1]
         self._wanted = set(layer_ids or ())
         positions = torch.arange(self._length, self._length + t, device=self.device)[None]
@@ -356,19 +352,11 @@ class FastTarget:
         return self._lm_head_linear(self.norm(x, self.final_norm))
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, layer_ids: Sequence[int] | None, last_only: bool = False,
-                prompt: bool = False) -> TargetOutput:
-        """See ``TargetRunner.forward``. ``prompt``: these are a new sequence's prompt tokens.
-        Their first chunk then attends with one fused causal attention over its own rows
-        (``scaled_dot_product_attention``; the cache is empty), several times cheaper than
-        scoring the whole cache. That arithmetic is not the one decoding uses, so it is kept
-        to prompts: the AR mode and DFlash both run their prompts through it, and every later
-        position is computed the batch-invariant way."""
+    def forward(self, input_ids: torch.Tensor, layer_ids: Sequence[int] | None, last_only: bool = False) -> TargetOutput:
         ids = input_ids.reshape(-1).to(self.device)
         if ids.shape[0] > PREFILL_CHUNK:
             # Long prompts go through in chunks: attention scores are (heads, T, capacity).
-            parts = [self.forward(ids[i : i + PREFILL_CHUNK], layer_ids, last_only, prompt)
-                     for i in range(0, ids.shape[0], PREFILL_CHUNK)]
+            parts = [self.forward(ids[i : i + PREFILL_CHUNK], layer_ids, last_only) for i in range(0, ids.shape[0], PREFILL_CHUNK)]
             logits = parts[-1].logits if last_only else torch.cat([p.logits for p in parts])
             features = torch.cat([p.features for p in parts]) if layer_ids else None
             return TargetOutput(logits, features)
@@ -396,19 +384,11 @@ class FastTarget:
         wanted = {i: n for n, i in enumerate(layer_ids or ())}
         feats: list[torch.Tensor | None] = [None] * len(wanted)
 
-        fused = prompt and start == 0
         x = F.embedding(ids, self.embed_weight)  # (T, H)
         for li, layer in enumerate(self.layers):
             q, k, v = self.attention_inputs(layer, x, cos, sin)
             self._k[li, :, start:end] = k[:real].transpose(0, 1)
             self._v[li, :, start:end] = v[:real].transpose(0, 1)
-            if fused:  # queries carry the 1/sqrt(D) scale already; padding rows come last
-                att = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                                     is_causal=True, scale=1.0, enable_gqa=group > 1)
-                x = self.finish_layer(layer, x, att.transpose(0, 1).reshape(t, h * d))
-                if li in wanted:
-                    feats[wanted[li]] = x[:real]
-                continue
             # (kv, group*T, d): the query heads that share a KV head, stacked.
             qg = q.reshape(t, kv, group, d).permute(1, 2, 0, 3).reshape(kv, group * t, d)
             scores = torch.matmul(qg, self._k[li].transpose(1, 2))  # (kv, group*T, cap)
