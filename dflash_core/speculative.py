@@ -447,24 +447,32 @@ def choose_draft_length(confidence: torch.Tensor, verify_costs: Sequence[float],
     return best_count_and_rate(torch.cumprod(confidence[:k_max].float(), 0).tolist(), verify_costs, t1_cost)[0]
 
 
-def measure_verify_costs(target: TargetRunner, max_block: int, context: int = 128, repeats: int = 5) -> list[float]:
-    """Time of a target forward over 1..max_block tokens after ``context`` tokens: the median of
-    ``repeats`` rounds (every size once per round, so machine drift hits all sizes alike), made
-    non-decreasing in the number of tokens (``monotone``): a dip or a spike in one size is
-    noise, and adaptive drafting would chase it."""
+def _interleaved_medians(target: TargetRunner, calls: Sequence[Callable[[], object]], context: int,
+                         repeats: int) -> list[float]:
+    """Median time of each of ``calls`` over ``repeats`` rounds after a warm-up round; every call
+    runs once per round, so machine drift hits all of them alike. The target's cache is cut
+    back to ``context`` positions after each call."""
     clock = _Clock(target.device)
+    times: list[list[float]] = [[] for _ in calls]
+    for round_ in range(repeats + 1):
+        for i, call in enumerate(calls):
+            t0 = clock.now()
+            call()
+            if round_:
+                times[i].append(clock.now() - t0)
+            target.truncate(context)
+    return [sorted(t)[len(t) // 2] for t in times]
+
+
+def measure_verify_costs(target: TargetRunner, max_block: int, context: int = 128, repeats: int = 5) -> list[float]:
+    """Time of a target forward over 1..max_block tokens after ``context`` tokens (interleaved
+    medians), made non-decreasing in the number of tokens (``monotone``): a dip or a spike in
+    one size is noise, and adaptive drafting would chase it."""
     ids = torch.arange(context + max_block, dtype=torch.long) % 1000 + 10
     target.reset(context + max_block)
     target.forward(ids[:context], None, last_only=True)
-    times: list[list[float]] = [[] for _ in range(max_block)]
-    for round_ in range(repeats + 1):  # round 0 warms up
-        for size in range(1, max_block + 1):
-            t0 = clock.now()
-            target.forward(ids[context : context + size], None)
-            if round_:
-                times[size - 1].append(clock.now() - t0)
-            target.truncate(context)
-    return monotone([sorted(t)[len(t) // 2] for t in times])
+    calls = [lambda size=size: target.forward(ids[context : context + size], None) for size in range(1, max_block + 1)]
+    return monotone(_interleaved_medians(target, calls, context, repeats))
 
 
 def monotone(values: Sequence[float]) -> list[float]:
@@ -487,7 +495,6 @@ def measure_tree_costs(target: TargetRunner, max_block: int, context: int = 128,
     tokens. (0, 0) below 4 tokens."""
     if max_block < 4:
         return 0.0, 0.0
-    clock = _Clock(target.device)
     ids = torch.arange(context, dtype=torch.long) % 1000 + 10
     nodes = list(range(max_block))
     tokens = [20 + n for n in nodes]
@@ -496,15 +503,8 @@ def measure_tree_costs(target: TargetRunner, max_block: int, context: int = 128,
     star = DraftTree(tokens, [-1] + [0] * (max_block - 1), [0] + [1] * (max_block - 1), [1.0] * max_block)
     target.reset(context + max_block)
     target.forward(ids, None, last_only=True)
-    times: list[list[float]] = [[], [], []]
-    for round_ in range(repeats + 1):  # round 0 warms up; the three shapes alternate, so drift hits all
-        for shape, tree in enumerate((chain, fork, star)):
-            t0 = clock.now()
-            target.forward_tree(tree, None)
-            if round_:
-                times[shape].append(clock.now() - t0)
-            target.truncate(context)
-    medians = [sorted(t)[len(t) // 2] for t in times]
+    calls = [lambda tree=tree: target.forward_tree(tree, None) for tree in (chain, fork, star)]
+    medians = _interleaved_medians(target, calls, context, repeats)
     branching = max(0.0, medians[1] - medians[0])
     return branching, max(0.0, (medians[2] - medians[1]) / (max_block - 3))
 

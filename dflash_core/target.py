@@ -231,8 +231,7 @@ class FastTarget:
         self.embed_weight = inner.embed_tokens.weight.detach()
         self.device = self.embed_weight.device
         self.dtype = self.embed_weight.dtype
-        self._lm_head = model.get_output_embeddings().weight.detach()
-        self._lm_head_linear = Linear(self._lm_head)
+        self._lm_head = Linear(model.get_output_embeddings().weight.detach())
         self.final_norm = inner.norm.weight.detach()
         self.rotary = inner.rotary_emb
         self.layers = [self._fuse(layer) for layer in inner.layers]
@@ -319,7 +318,7 @@ class FastTarget:
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
-        return self._lm_head
+        return self._lm_head.weight
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         y = x.float()
@@ -349,7 +348,7 @@ class FastTarget:
         return x + layer.down(F.silu(gate) * up)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        return self._lm_head_linear(self.norm(x, self.final_norm))
+        return self._lm_head(self.norm(x, self.final_norm))
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, layer_ids: Sequence[int] | None, last_only: bool = False) -> TargetOutput:

@@ -48,7 +48,7 @@ def test_fast_target_layers_are_packed_and_lossless(family):
     if _packing_expected():
         layer = runner.layers[0]
         assert all(lin.packed is not None for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
-        assert runner._lm_head_linear.packed is not None
+        assert runner._lm_head.packed is not None
     ids = torch.randint(5, runner.vocab_size, (24,), generator=torch.Generator().manual_seed(1))
     runner.reset(64)
     block = runner.forward(ids, None).logits
