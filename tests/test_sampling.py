@@ -72,6 +72,28 @@ def test_acceptance_rules_keep_the_first_token_distributed_as_the_target(rule):
     assert accepted_total > 0.2 * n  # the test exercises acceptance, not only the bonus path
 
 
+def test_sample_draws_each_row_from_its_distribution_and_never_a_zero():
+    gen = torch.Generator().manual_seed(3)
+    probs = torch.softmax(torch.randn(3, 12, generator=gen) * 1.2, -1)
+    probs[:, [0, 5, 11]] = 0.0  # truncated tokens, at both ends and inside
+    probs[1, 4] = 1e-3  # a rare token keeps its (small) share
+    probs = probs / probs.sum(-1, keepdim=True)
+    n = 20000
+    draws = torch.stack([acceptance.sample(probs.view(3, 1, 12), gen) for _ in range(n)])  # (n, 3, 1)
+    assert draws.shape == (n, 3, 1)
+    for row in range(3):
+        got = draws[:, row, 0]
+        assert not torch.isin(got, torch.tensor([0, 5, 11])).any()
+        counts = dict(zip(*[t.tolist() for t in got.unique(return_counts=True)]))
+        ok, stat, critical = chi_square_passes(counts, {x: float(probs[row, x]) for x in range(12)}, n)
+        assert ok, (row, stat, critical, counts)
+    # A point mass, and weights that do not sum to 1 (drawn in proportion).
+    assert int(acceptance.sample(torch.tensor([0.0, 0.0, 1.0, 0.0]), gen)) == 2
+    weights = torch.tensor([0.0, 3.0, 1.0])
+    drawn = [int(acceptance.sample(weights, gen)) for _ in range(4000)]
+    assert 0 not in drawn and abs(drawn.count(1) / 4000 - 0.75) < 0.03
+
+
 def test_pq_rule_accepts_everything_when_draft_equals_target():
     gen = torch.Generator().manual_seed(1)
     probs = torch.softmax(torch.randn(5, 7, generator=gen), -1)

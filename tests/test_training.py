@@ -12,7 +12,7 @@ from dflash_core.drafter import DFlashDrafter, DrafterConfig
 from dflash_core.speculative import GenerationConfig, collect, stream
 from dflash_core.target import FastTarget
 from dflash_core.training.features import build_feature_cache
-from dflash_core.training.objective import make_batch, naive_training_mask, training_mask
+from dflash_core.training.objective import fused_linear_cross_entropy, make_batch, naive_training_mask, training_mask
 from dflash_core.training.selfdistill import Sample
 from dflash_core.training.trainer import Trainer, TrainSettings
 
@@ -43,6 +43,31 @@ def test_batch_labels_are_the_tokens_at_each_slots_position():
         for k in range(1, 4):
             want = 100 + anchor + k if anchor + k < 40 else -100
             assert batch.labels[0, b, k - 1] == want
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_cross_entropy_equals_the_plain_log_softmax_form(dtype):
+    """Loss, gradient and argmax hits of the chunked CE against log_softmax over all rows at once
+    (chunks of 7 over 50 rows: a partial last chunk; zero weights where a label is invalid)."""
+    g = torch.Generator().manual_seed(4)
+    x = (torch.randn(50, 16, generator=g) * 2).requires_grad_()
+    head = torch.randn(300, 16, generator=g).to(dtype)
+    labels = torch.randint(300, (50,), generator=g)
+    labels[:10] = (x.detach().to(dtype) @ head.t()).float()[:10].argmax(-1)  # some rows right, so hits vary
+    weights = torch.rand(50, generator=g)
+    weights[[3, 17]] = 0.0
+    loss, hits = fused_linear_cross_entropy(x, head, labels, weights, chunk=7)
+    loss.backward()
+    grad = x.grad.clone()
+    x.grad = None
+    logits = (x.to(dtype) @ head.t()).float()
+    plain = -(torch.log_softmax(logits, -1).gather(-1, labels[:, None])[:, 0] * weights).sum()
+    plain.backward()
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-3)
+    assert torch.allclose(loss, plain.detach(), **tol)
+    assert torch.allclose(grad, x.grad, **tol)
+    assert torch.equal(hits, logits.argmax(-1) == labels) and 10 <= int(hits.sum()) < 50
+    assert grad[[3, 17]].abs().max() == 0  # a weightless row gets no gradient
 
 
 @pytest.fixture(scope="module")
