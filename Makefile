@@ -20,7 +20,9 @@ TRAIN_STEPS ?= 3000
 # Where the stages keep their data; a used work directory is resumed, so start a fresh one to
 # rebuild from nothing.
 TRAIN_WORK ?= runs/smollm2
-TRAIN_ARGS := --pair smollm2-135m --work-dir $(TRAIN_WORK) --out assets/drafters/smollm2-135m-dflash \
+# Where the drafter is exported (a trial run can go elsewhere and replace the bundled one later).
+TRAIN_OUT ?= assets/drafters/smollm2-135m-dflash
+TRAIN_ARGS := --pair smollm2-135m --work-dir $(TRAIN_WORK) --out $(TRAIN_OUT) \
 	--prompts assets/data/train_prompts.jsonl.gz --gen-minutes $(GEN_MINUTES) --feature-layers 1,8,15,22,27,29 \
 	--mask-token-id 7 --num-layers 2 --target-layer-ids 1,8,15,22,27 --init target --reg-weight 1.0 \
 	--block-schedule 4:0.45,8:0.25,16:0.3 --sequences-per-step 8 --anchors-per-sequence 32 --steps $(TRAIN_STEPS) \
