@@ -9,8 +9,10 @@ the drafter in one forward pass.
 
 Loss (weights configurable), with the position decay ``w_k = exp(-(k-1)/gamma)``:
 
-* ``ce``  — cross-entropy against the true token, over a frequency-ranked sub-vocabulary (the
-  full 49k-way softmax would cost most of the step on a CPU; tokens outside it are skipped);
+* ``ce``  — cross-entropy against the true token, over a sampled sub-vocabulary (the most
+  frequent tokens, every label of the step and random negatives, chosen by the trainer: the full
+  49k-way softmax would cost most of the step on a CPU), computed chunk by chunk
+  (``fused_linear_cross_entropy``);
 * ``kl``  — KL from the target's own distribution (its final hidden state through the LM head,
   restricted to the same sub-vocabulary): a dense signal per slot instead of one label;
 * ``reg`` — smooth-L1 between the drafter's normalised output and the target's normalised final
