@@ -22,6 +22,7 @@ Loss (weights configurable), with the position decay ``w_k = exp(-(k-1)/gamma)``
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -228,7 +229,8 @@ def compute_loss(
         with torch.no_grad():
             hits = (logits.argmax(-1) == sub_labels) & valid
     else:
-        with torch.enable_grad() if ce_weight else torch.no_grad():  # without CE: accuracy only
+        # Without the CE term only the accuracy is needed: no gradient pass (a caller's no_grad holds either way).
+        with contextlib.nullcontext() if ce_weight else torch.no_grad():
             ce_mean, hits = fused_linear_cross_entropy(
                 slots.reshape(-1, h), head_sub, sub_labels.clamp_min(0).reshape(-1), (w / norm).reshape(-1))
         hits = hits.view_as(valid) & valid
