@@ -17,21 +17,35 @@ raise SystemExit("remote code ran")
 """
 
 
+def tiny_tokenizer(vocab: int):
+    """A word-level tokenizer with ``vocab`` entries: enough for a folder to load as a target."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = {f"w{i}": i for i in range(vocab)}
+    words["<unk>"] = 0
+    core = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", eos_token="w2")
+
+
 def test_a_target_with_remote_code_loads_without_running_it(tmp_path):
     from dflash_core.loading import load_target
-    from transformers import AutoTokenizer  # noqa: F401
+    from dflash_core.target import FastTarget
 
     model = tiny_target("llama")
     folder = tmp_path / "target"
     model.save_pretrained(folder)
+    tiny_tokenizer(model.config.vocab_size).save_pretrained(folder)
     marker = tmp_path / "ran.txt"
     (folder / "evil.py").write_text(EVIL.format(marker=str(marker)))
     config = json.loads((folder / "config.json").read_text())
-    config["auto_map"] = {"AutoModelForCausalLM": "evil.EvilModel", "AutoConfig": "evil.EvilConfig"}
+    config["auto_map"] = {"AutoModelForCausalLM": "evil.EvilModel", "AutoConfig": "evil.EvilConfig",
+                          "AutoTokenizer": ["evil.EvilTokenizer", None]}
     (folder / "config.json").write_text(json.dumps(config))
-    with pytest.raises(Exception):
-        # No tokenizer in the folder: loading fails, but never by running evil.py.
-        load_target(ModelSource("path", str(folder)))
+    # The folder loads as the plain Llama it declares, never through evil.py.
+    target = load_target(ModelSource("path", str(folder)))
+    assert type(target.model).__name__ == "LlamaForCausalLM" and isinstance(target.runner, FastTarget)
     assert not marker.exists()
 
 
