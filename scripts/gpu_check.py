@@ -1,6 +1,10 @@
 """GPU check: lossless and speed on a tiny random Qwen3 pair, in well under 5 minutes.
 
-    python scripts/gpu_check.py --out runs/gpu_check.json
+    python3 scripts/gpu_check.py --out runs/gpu_check.json
+
+It needs torch and transformers only (a lent GPU machine's own python3 has both; the project
+need not be installed there). ``--device cpu`` runs the same checks on the CPU, as the test
+suite does, so the script is known to work before a GPU is at hand.
 
 Checks, on CUDA: greedy DFlash == greedy AR for the fast and the generic runner, in bf16 and
 fp32, block sizes 2..16 (chains; trees and prompt lookup too on the fast runner), with a random
@@ -20,15 +24,18 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # dflash_core and the tests' tiny models, uninstalled
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, default=Path("runs/gpu_check.json"))
+    parser.add_argument("--device", default="cuda", help="cuda (default), cuda:N, or cpu to try the script itself")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("no CUDA device: this script checks the GPU path")
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        sys.exit("no CUDA device: this script checks the GPU path (--device cpu runs it on the CPU)")
     from conftest import tiny_drafter, tiny_target
     from test_speculative import OracleDrafter
 
@@ -37,16 +44,19 @@ def main() -> None:
     from dflash_core.target import FastTarget, HFTarget
 
     started = time.time()
-    report: dict = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "checks": [], "speed": {}}
+    import transformers
+
+    report: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                    "torch": torch.__version__, "transformers": transformers.__version__, "checks": [], "speed": {}}
     failures = 0
     prompt = [5, 17, 42, 8, 9, 60, 3, 77]
     for dtype in (torch.bfloat16, torch.float32):
-        model = tiny_target("qwen3", vocab=512, layers=4, seed=0, dtype=dtype).to("cuda")
+        model = tiny_target("qwen3", vocab=512, layers=4, seed=0, dtype=dtype).to(device)
         for runner_name, runner in (("fast", FastTarget(model)), ("hf", HFTarget(model))):
             ar = collect(stream(runner, None, prompt, GenerationConfig(max_new_tokens=64, block_size=1).validated(16)))
-            for drafter_device in ("cuda", "cpu"):
+            for drafter_device in dict.fromkeys((device, torch.device("cpu"))):  # same or different devices
                 base = tiny_drafter(model.to("cpu"), layers=1).to(drafter_device, dtype)
-                model.to("cuda")
+                model.to(device)
                 oracle = OracleDrafter(base, prompt + ar.token_ids).to(drafter_device, dtype)
                 for block in (2, 4, 8, 16):
                     # Trees and prompt lookup need the fast runner (HFTarget refuses them).
@@ -58,14 +68,14 @@ def main() -> None:
                             ok = out.token_ids == ar.token_ids
                             failures += not ok
                             report["checks"].append({"dtype": str(dtype), "runner": runner_name, "drafter": name,
-                                                     "drafter_device": drafter_device, "block": block, "tree": tree, "lookup": lookup,
+                                                     "drafter_device": str(drafter_device), "block": block, "tree": tree, "lookup": lookup,
                                                      "lossless": ok, "tau": round(out.tau, 3)})
         if dtype == torch.bfloat16:
             runner = FastTarget(model)
-            timer = Timer(torch.device("cuda"))
+            timer = Timer(device)
             ar = collect(stream(runner, None, prompt, GenerationConfig(max_new_tokens=256, block_size=1).validated(16)))
-            oracle = OracleDrafter(tiny_drafter(model.to("cpu"), layers=1).to("cuda", dtype), prompt + ar.token_ids)
-            model.to("cuda")
+            oracle = OracleDrafter(tiny_drafter(model.to("cpu"), layers=1).to(device, dtype), prompt + ar.token_ids)
+            model.to(device)
             for _ in range(2):  # warm-up
                 collect(stream(runner, oracle, prompt, GenerationConfig(max_new_tokens=256, block_size=16).validated(16)))
             _, t_ar = timer(lambda: collect(stream(runner, None, prompt, GenerationConfig(max_new_tokens=256, block_size=1).validated(16))))
@@ -79,10 +89,10 @@ def main() -> None:
         folder = Path("/tmp/dflash-gpu-check-tiny")
         tiny_target("qwen3", vocab=512, layers=4, seed=0).save_pretrained(folder)
         q = AutoModelForCausalLM.from_pretrained(folder, quantization_config=BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_compute_dtype=torch.bfloat16), device_map={"": "cuda"})
+            load_in_4bit=True, bnb_4bit_compute_dtype=torch.bfloat16), device_map={"": str(device)})
         runner = HFTarget(q)
         ar = collect(stream(runner, None, prompt, GenerationConfig(max_new_tokens=48, block_size=1).validated(16)))
-        drafter = tiny_drafter(q, layers=1).to("cuda", torch.bfloat16)
+        drafter = tiny_drafter(q, layers=1).to(device, torch.bfloat16)
         out = collect(stream(runner, drafter, prompt, GenerationConfig(max_new_tokens=48, block_size=8).validated(16)))
         ok = out.token_ids == ar.token_ids
         failures += not ok

@@ -1,0 +1,54 @@
+"""scripts/gpu_check.py, the one prepared command for a lent GPU, run here on the CPU.
+
+A session is lent a GPU rarely and briefly, so the script must work the first time it meets
+one: it runs from any directory with a bare interpreter (the project uninstalled, as on the
+lent machine) and, with ``--device cpu``, performs every check it performs on CUDA.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "gpu_check.py"
+
+
+def run_script(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=cwd, capture_output=True, text=True, timeout=600)
+
+
+def test_the_gpu_check_runs_every_check_on_the_cpu_from_anywhere(tmp_path):
+    out = tmp_path / "report.json"
+    done = run_script("--device", "cpu", "--out", str(out), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["failures"] == 0 and report["device"] == "cpu"
+    checks = report["checks"]
+    assert checks and all(c["lossless"] for c in checks)
+    # Both runners, both dtypes, trees and prompt lookup on the fast runner, every block size.
+    seen = {(c["runner"], c["dtype"]) for c in checks}
+    assert {("fast", "torch.bfloat16"), ("fast", "torch.float32"), ("hf", "torch.bfloat16"), ("hf", "torch.float32")} <= seen
+    assert {(c["tree"], c["lookup"]) for c in checks if c["runner"] == "fast"} == {(False, False), (True, False), (False, True), (True, True)}
+    assert {c["block"] for c in checks if c["runner"] == "hf"} == {2, 4, 8, 16}
+    # The oracle drafter really is one: nearly every draft kept (the last cycle may be cut short).
+    assert all(c["tau"] >= 0.9 * c["block"] for c in checks if c["drafter"] == "oracle")
+    assert set(report["speed"]) == {"ar_tok_s", "dflash_oracle_tok_s", "ratio"}
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        assert any(c["dtype"] == "nf4" for c in checks)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_the_gpu_check_says_what_to_do_without_a_gpu(tmp_path):
+    done = run_script("--out", str(tmp_path / "report.json"), cwd=tmp_path)
+    assert done.returncode != 0
+    assert "no CUDA device" in done.stderr and "--device cpu" in done.stderr
+    assert not (tmp_path / "report.json").exists()
