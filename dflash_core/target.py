@@ -24,6 +24,7 @@ Features: ``features[layer_id]`` is the residual stream after decoder layer ``la
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
@@ -91,6 +92,10 @@ class HFTarget:
 
         self._cache_cls = DynamicCache
         self.model = model.eval()
+        # transformers renamed the cache argument (``past_key_values`` -> ``cache``, announced for
+        # removal in 5.40); pass whichever this model's forward declares.
+        declared = inspect.signature(model.forward).parameters
+        self._cache_arg = "cache" if "cache" in declared else "past_key_values"
         cfg = model.config.get_text_config()
         self.num_layers = int(cfg.num_hidden_layers)
         self.hidden_size = int(cfg.hidden_size)
@@ -130,10 +135,10 @@ class HFTarget:
         out = self.model(
             input_ids=input_ids.view(1, t).to(self.device),
             position_ids=positions,
-            past_key_values=self._cache,
             use_cache=True,
             output_hidden_states=bool(layer_ids) and self._layers is None,
             logits_to_keep=1 if last_only else 0,
+            **{self._cache_arg: self._cache},
         )
         self._wanted = set()
         self._length += t

@@ -165,6 +165,22 @@ def test_prompt_longer_than_a_prefill_chunk_is_processed_in_pieces():
     assert chunked.token_ids == whole.token_ids == hf.token_ids
 
 
+def test_the_generic_runner_passes_its_cache_under_the_name_transformers_declares():
+    import warnings
+
+    for family in ("llama", "qwen3"):
+        model = tiny_target(family)
+        prompt = [5, 9, 14, 22]
+        fast = collect(stream(FastTarget(model), None, prompt, GenerationConfig(max_new_tokens=10, block_size=1).validated(16)))
+        with warnings.catch_warnings():
+            # transformers warns (FutureWarning) when the cache comes under its deprecated name.
+            warnings.simplefilter("error", FutureWarning)
+            warnings.simplefilter("error", DeprecationWarning)
+            out = collect(stream(HFTarget(model), tiny_drafter(model), prompt,
+                                 GenerationConfig(max_new_tokens=10, block_size=4).validated(16)))
+        assert out.token_ids == fast.token_ids  # and the cache is really used: rollbacks included
+
+
 def test_cancellation_ends_the_stream_within_one_cycle():
     model = tiny_target("llama")
     runner = FastTarget(model)
