@@ -2,8 +2,8 @@
 
     python3 scripts/gpu_check.py --out runs/gpu_check.json
 
-It needs torch and transformers only (a lent GPU machine's own python3 has both; the project
-need not be installed there). ``--device cpu`` runs the same checks on the CPU, as the test
+It needs torch, transformers and pytest (the tests' tiny models come from tests/conftest.py); a
+lent GPU machine's own python3 has all three, and the project need not be installed there. ``--device cpu`` runs the same checks on the CPU, as the test
 suite does, so the script is known to work before a GPU is at hand.
 
 Checks, on CUDA: greedy DFlash == greedy AR for the fast and the generic runner, in bf16 and
@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -86,7 +87,7 @@ def main() -> None:
         import bitsandbytes  # noqa: F401
         from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-        folder = Path("/tmp/dflash-gpu-check-tiny")
+        folder = Path(tempfile.mkdtemp(prefix="dflash-gpu-check-"))
         tiny_target("qwen3", vocab=512, layers=4, seed=0).save_pretrained(folder)
         q = AutoModelForCausalLM.from_pretrained(folder, quantization_config=BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_compute_dtype=torch.bfloat16), device_map={"": str(device)})

@@ -1,8 +1,9 @@
 """scripts/gpu_check.py, the one prepared command for a lent GPU, run here on the CPU.
 
 A session is lent a GPU rarely and briefly, so the script must work the first time it meets
-one: it runs from any directory with a bare interpreter (the project uninstalled, as on the
-lent machine) and, with ``--device cpu``, performs every check it performs on CUDA.
+one: it runs from any directory (it puts the checkout on ``sys.path`` itself, as the project is
+not installed on a lent machine) and, with ``--device cpu``, performs every check it performs
+on CUDA.
 """
 
 from __future__ import annotations
