@@ -208,6 +208,9 @@ def load_target(
     model.eval()
     model.requires_grad_(False)
     runner = make_runner(model, engine)
+    if getattr(runner, "batch_invariant", None) is False:
+        _say(progress, "This CPU's kernels round a position by the size of its pass: greedy DFlash "
+                       "matches the target's own greedy output within rounding, not bit for bit")
     return LoadedTarget(model=model, tokenizer=tokenizer, runner=runner, source=source, name=source.describe())
 
 

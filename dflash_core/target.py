@@ -9,9 +9,10 @@ Two runners share one small interface (``TargetRunner``):
   whole cache with a causal mask. That last choice makes the computation *batch invariant*: the
   logits of a position are bit-for-bit the same in bf16 whether the position is verified alone
   (autoregressive decoding) or inside a block of 16, so greedy DFlash reproduces the engine's own
-  greedy autoregressive output exactly (tested). fp32 kernels can round a lone row and a block
-  differently in the last bits (seen at 1e-6 on the tiny test models); the outputs still matched
-  in every fp32 test.
+  greedy autoregressive output exactly (tested). That rests on the matrix kernels giving a row
+  the same numbers whatever the number of rows beside it, which depends on the CPU and the dtype:
+  a probe at load (``FastTarget.batch_invariant``) finds how many rows a pass needs for that and
+  says whether any number suffices; where none does, outputs agree within rounding instead.
   ``forward_tree`` scores a whole draft tree in one pass with the same per-row arithmetic
   (see ``tree.py``), so tree verification is exactly greedy decoding too.
 * ``HFTarget`` — any ``transformers`` causal LM through its own forward and ``DynamicCache``
@@ -40,6 +41,13 @@ PREFILL_CHUNK = 512  # longest slice of a prompt FastTarget processes at once
 # Most memory tree verification may hold in per-path copies of the value cache (see
 # FastTarget.forward_tree); above it, paths take turns in the cache itself (more, smaller ops).
 REPLICA_BYTES = 256 << 20
+# Fewest rows per pass FastTarget tries (see FastTarget._probe_min_rows): a lone row always takes
+# a matrix-vector path that rounds differently, so 2 is the least; more padding costs a little
+# more compute per autoregressive step.
+MIN_ROWS_CANDIDATES = (2, 4, 8, 16)
+# Pass sizes the probe decodes a sequence in: single tokens (autoregressive steps), every size
+# up to a block of 16, and one longer pass (a prompt or a tree).
+PROBE_CHUNKS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 1, 37)
 
 
 @dataclass
@@ -249,9 +257,41 @@ class FastTarget:
         self._capacity = 0
         self._length = 0
         self._cos = self._sin = None
-        # Fewest rows a forward runs with (see forward): 2 keeps bf16 kernels on one code path;
-        # fp32 kernels switch paths up to 4 rows on this class of CPU.
-        self._min_rows = 4 if self.dtype == torch.float32 else 2
+        # Fewest rows a forward runs with (see forward), and whether that makes every position's
+        # numbers independent of how many rows share its pass: decided by a probe on this
+        # machine's kernels, never assumed (they differ between CPUs and dtypes).
+        self._min_rows, self.batch_invariant = self._probe_min_rows()
+
+    def _probe_min_rows(self) -> tuple[int, bool]:
+        """The fewest rows per pass (from ``MIN_ROWS_CANDIDATES``) with which decoding a sequence
+        in passes of every size in ``PROBE_CHUNKS`` gives, bit for bit, the logits of one pass
+        over the whole sequence; ``(smallest candidate, False)`` when none does.
+
+        Matrix kernels choose their code path (GEMV, register blocking, K split) from the number
+        of rows, and which row counts share a path differs between CPUs (AMD / Intel, AVX2 /
+        AVX-512 / AMX) and dtypes. Padding small passes to ``min_rows`` keeps them on the path
+        the larger passes take; the probe finds the padding that does so here."""
+        chunks = list(PROBE_CHUNKS)
+        while sum(chunks) > self.max_positions and len(chunks) > 1:  # a model with a short context
+            chunks.pop()
+        generator = torch.Generator().manual_seed(0)
+        total = sum(chunks)
+        ids = torch.randint(0, self.vocab_size, (total,), generator=generator).to(self.device)
+        capacity = round_capacity(total)
+        for min_rows in MIN_ROWS_CANDIDATES:
+            self._min_rows = min_rows
+            self.reset(capacity)
+            whole = self.forward(ids, None).logits
+            self.reset(capacity)
+            pieces, start = [], 0
+            for size in chunks:
+                pieces.append(self.forward(ids[start : start + size], None).logits)
+                start += size
+            if torch.equal(torch.cat(pieces), whole):
+                self.reset(capacity)
+                return min_rows, True
+        self.reset(capacity)
+        return MIN_ROWS_CANDIDATES[0], False
 
     @staticmethod
     def _fuse(layer: torch.nn.Module) -> _Layer:

@@ -77,10 +77,10 @@ def test_a_tree_pass_scores_every_node_as_decoding_its_path_does(family, dtype, 
             runner.forward(torch.tensor(prompt[:-1]), None)
             for n in tree.path(node):
                 ref = runner.forward(torch.tensor([tree.tokens[n]]), [0, 2])
-            if dtype == torch.bfloat16:  # the production dtype: bit for bit
+            if runner.batch_invariant:  # this machine's kernels allow bit for bit: the tree gives it
                 assert torch.equal(ref.logits[-1], out.logits[node]), (seed, node)
                 assert torch.equal(ref.features[-1], out.features[node]), (seed, node)
-            else:  # fp32 kernels round a lone row and a block differently (as for a chain)
+            else:  # the probe found kernels that round a row by its pass's size: within rounding
                 torch.testing.assert_close(ref.logits[-1], out.logits[node], rtol=0, atol=1e-4)
         # Keeping a path leaves the cache as if that path had been decoded token by token.
         leaf = max(range(len(tree)), key=lambda n: tree.depths[n] + n / 100)
@@ -92,7 +92,11 @@ def test_a_tree_pass_scores_every_node_as_decoding_its_path_does(family, dtype, 
         runner.reset(64)
         runner.forward(torch.tensor(prompt[:-1]), None)
         runner.forward(torch.tensor([tree.tokens[n] for n in tree.path(leaf)]), None)
-        assert torch.equal(runner.forward(torch.tensor([5, 6]), None).logits, after_tree)
+        after_path = runner.forward(torch.tensor([5, 6]), None).logits
+        if runner.batch_invariant:
+            assert torch.equal(after_path, after_tree)
+        else:
+            torch.testing.assert_close(after_path, after_tree, rtol=0, atol=1e-4)
 
 
 class SecondChoiceDrafter(OracleDrafter):
