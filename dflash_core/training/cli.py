@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .errors import TrainingError
 from .recipe import STAGES, RecipeOptions, run_recipe
 from .trainer import TrainSettings
 
@@ -44,35 +45,83 @@ def add_train_parser(sub: Any) -> None:
     t.add_argument("--eval-prompts", type=int, default=40)
     t.add_argument("--draft-vocab", type=int, default=8192,
                    help="the exported drafter proposes only the N most frequent response tokens, a cheaper LM head (0 = all)")
+    t.add_argument("--shards", type=Path, default=None,
+                   help="a data directory of answer shards (assets/data/smollm2-answers): the generate stage adds "
+                        "shards there and the features stage trains on all of them (see `gen-data`)")
+    t.add_argument("--gen-shard-prompts", type=int, default=256, help="prompts per shard (with --shards)")
+    t.add_argument("--fit-minutes", type=float, default=None,
+                   help="re-plan the step count from the measured pace so the fit ends within this many minutes")
     for f in dataclasses.fields(TrainSettings):
         flag = "--" + f.name.replace("_", "-")
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
         kind = _int_list if isinstance(default, list) else type(default)
         t.add_argument(flag, type=kind, default=None, help=f"default {default}")
     t.set_defaults(func=cmd_train)
+    add_gen_data_parser(sub)
+
+
+def add_gen_data_parser(sub: Any) -> None:
+    g = sub.add_parser(
+        "gen-data",
+        help="add answer shards (the target's greedy answers) to a committed data directory, within a time budget",
+        description="Answers the next prompts of --prompts (training split, file order) and appends them as "
+                    "compressed token-id shards to --data-dir; resumable, any number of runs (docs/TRAINING.md).",
+    )
+    g.add_argument("--pair", help="take the target from this registry pair (default: the default pair)")
+    g.add_argument("--target", help="or a target directly: hub id, local directory, or .gguf file")
+    g.add_argument("--target-dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
+    g.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+    g.add_argument("--prompts", type=Path, default=Path("assets/data/train_prompts.jsonl.gz"))
+    g.add_argument("--data-dir", type=Path, required=True, help="where the shards and manifest.json go")
+    g.add_argument("--minutes", type=float, default=None, help="this run's wall-clock budget (default: until done)")
+    g.add_argument("--max-tokens", type=int, default=None, help="or stop after this many answer tokens in this run")
+    g.add_argument("--shard-prompts", type=int, default=256, help="prompts per shard (all a killed run can lose)")
+    g.add_argument("--slots", type=int, default=64, help="rows decoded together")
+    g.add_argument("--max-new-tokens", type=int, default=256)
+    g.set_defaults(func=cmd_gen_data)
+
+
+def target_source(target: str | None, pair: str | None, registry: Any = None) -> Any:
+    """The ``ModelSource`` of ``--target`` (a .gguf file, a directory or a hub id), else of ``--pair``."""
+    from ..registry import ModelSource, load_registry
+
+    if target:
+        path = Path(target).expanduser()
+        if path.suffix == ".gguf":
+            return ModelSource("gguf", str(path.resolve().parent), gguf_file=path.name)
+        if path.exists():
+            return ModelSource("path", str(path.resolve()))
+        return ModelSource("hub", target)
+    return load_registry(registry).get(pair).target
+
+
+def cmd_gen_data(args: argparse.Namespace) -> int:
+    from ..cli import _log
+    from ..loading import load_target
+    from .gen_data import GenDataOptions, generate_shards
+
+    if not args.prompts.is_file():
+        raise TrainingError(f"prompt file {args.prompts} does not exist (the committed set is "
+                            "assets/data/train_prompts.jsonl.gz)")
+    target = load_target(target_source(args.target, args.pair, getattr(args, "registry", None)), args.target_dtype,
+                         args.device, progress=_log)
+    stats = generate_shards(target, GenDataOptions(
+        prompts_file=args.prompts, data_dir=args.data_dir, minutes=args.minutes, max_answer_tokens=args.max_tokens,
+        shard_prompts=args.shard_prompts, slots=args.slots, max_new_tokens=args.max_new_tokens,
+    ))
+    print(json.dumps(stats, indent=2))
+    return 0
 
 
 def cmd_train(args: argparse.Namespace) -> int:
     from ..cli import _log
     from ..loading import load_target
-    from ..registry import ModelSource, load_registry
 
-    if args.target:
-        path = Path(args.target).expanduser()
-        if path.suffix == ".gguf":
-            source = ModelSource("gguf", str(path.resolve().parent), gguf_file=path.name)
-        elif path.exists():
-            source = ModelSource("path", str(path.resolve()))
-        else:
-            source = ModelSource("hub", args.target)
-    else:
-        source = load_registry(args.registry).get(args.pair).target
+    source = target_source(args.target, args.pair, args.registry)
     stages = [s.strip() for s in args.stages.split(",") if s.strip()]
     unknown = [s for s in stages if s not in STAGES]
     if unknown:
-        from ..errors import DFlashError
-
-        raise DFlashError(f"unknown stage(s) {unknown}; allowed: {', '.join(STAGES)}")
+        raise TrainingError(f"unknown stage(s) {unknown}; allowed: {', '.join(STAGES)}")
     settings = TrainSettings()
     for f in dataclasses.fields(TrainSettings):
         value = getattr(args, f.name)
@@ -85,6 +134,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         gen_time_budget_s=args.gen_minutes * 60 if args.gen_minutes else None,
         gen_token_budget=args.gen_tokens, gen_max_prompts=args.gen_max_prompts,
         feature_layers=args.feature_layers, eval_prompts=args.eval_prompts, draft_vocab=args.draft_vocab,
+        shards_dir=args.shards, gen_shard_prompts=args.gen_shard_prompts,
+        fit_time_budget_s=args.fit_minutes * 60 if args.fit_minutes else None,
         command="python -m dflash_core " + " ".join(shlex.quote(a) for a in sys.argv[1:]), settings=settings,
     )
     result = run_recipe(target, options, stages)

@@ -26,6 +26,7 @@ import torch
 from tqdm import tqdm
 
 from ..target import TargetRunner
+from .errors import TrainingError
 from .selfdistill import Sample
 
 INDEX = "index.json"
@@ -62,7 +63,8 @@ class FeatureStore:
         """Column indices of ``layer_ids`` inside the stored feature matrix."""
         missing = [i for i in layer_ids if i not in self.layer_ids]
         if missing:
-            raise ValueError(f"layers {missing} are not in the feature cache (it holds {self.layer_ids})")
+            raise TrainingError(f"layers {missing} are not in the feature cache (it holds {self.layer_ids}); "
+                                "add them to --feature-layers (the cache is then rebuilt)")
         h = self.hidden_size
         return [c for i in layer_ids for c in range(self.layer_ids.index(i) * h, (self.layer_ids.index(i) + 1) * h)]
 

@@ -17,10 +17,14 @@ from typing import Any, Callable
 from ..drafter import DrafterConfig
 from ..loading import LoadedTarget, choose_mask_token_id
 from ..hardware import hardware_summary
+from .errors import TrainingError
 from .export import export_drafter
 from .features import FeatureStore, build_feature_cache
+from .gen_data import GenDataOptions, generate_shards
 from .prompt_sources import build_prompt_set, read_prompts, split, summarize, write_prompts
 from .selfdistill import generate_responses, read_samples
+from .shards import DataDir
+from .shards import read_samples as read_shard_samples
 from .trainer import Trainer, TrainSettings
 
 STAGES = ("prompts", "generate", "features", "fit", "export", "evaluate")
@@ -46,6 +50,11 @@ class RecipeOptions:
     eval_prompts: int = 40
     eval_max_new_tokens: int = 256
     draft_vocab: int = 8192  # most frequent response tokens the exported drafter proposes from (0 = all)
+    # Committed answer shards (``shards.py``): the generate stage appends shards there instead of
+    # writing ``responses/``, and the features stage reads them.
+    shards_dir: Path | None = None
+    gen_shard_prompts: int = 256
+    fit_time_budget_s: float | None = None  # re-plan the step count so the fit ends within this
     command: str = ""
     settings: TrainSettings = field(default_factory=TrainSettings)
 
@@ -108,7 +117,22 @@ def run_recipe(target: LoadedTarget, options: RecipeOptions, stages: list[str]) 
             return {"train_prompts": len(train), "held_out": len(held)}
         _timed(log, "prompts", do_prompts)
 
-    if "generate" in stages:
+    # Features the generate stage kept while writing shards (never committed: they are large).
+    kept_features = work / "kept-features"
+    if "generate" in stages and options.shards_dir is not None:
+        def do_generate_shards() -> dict[str, Any]:
+            minutes = options.gen_time_budget_s / 60 if options.gen_time_budget_s is not None else None
+            stats = generate_shards(target, GenDataOptions(
+                prompts_file=options.prompts_file or prompts_path, data_dir=options.shards_dir, minutes=minutes,
+                max_answer_tokens=options.gen_token_budget, shard_prompts=options.gen_shard_prompts,
+                slots=options.gen_batch_size, max_new_tokens=options.gen_max_new_tokens,
+                feature_layers=layers, features_dir=kept_features,
+            ))
+            _log(f"generate: {stats}")
+            return {"new_answer_tokens": stats["new_answer_tokens"], "new_shards": len(stats["new_shards"]),
+                    "answer_tokens": stats["totals"].get("answer_tokens", 0)}
+        _timed(log, "generate", do_generate_shards)
+    elif "generate" in stages:
         def do_generate() -> dict[str, Any]:
             train, _ = split(read_prompts(prompts_path))
             if options.gen_max_prompts:
@@ -127,11 +151,15 @@ def run_recipe(target: LoadedTarget, options: RecipeOptions, stages: list[str]) 
 
     if "features" in stages:
         def do_features() -> dict[str, Any]:
-            samples = read_samples(work / "responses")
+            if options.shards_dir is not None:
+                samples = read_shard_samples(options.shards_dir, kept_features)
+                where, kept = options.shards_dir, kept_features
+            else:
+                samples = read_samples(work / "responses")
+                where = kept = work / "responses"
             if not samples:
-                raise ValueError(f"no responses in {work / 'responses'}: run the generate stage first")
-            store = build_feature_cache(target.runner, samples, layers, work / "features",
-                                        responses_dir=work / "responses")
+                raise TrainingError(f"no answers in {where}: run the generate stage (or `make gen-data`) first")
+            store = build_feature_cache(target.runner, samples, layers, work / "features", responses_dir=kept)
             _log(f"features: {len(store)} sequences, {store.num_tokens} tokens, layers {store.layer_ids}")
             return {"sequences": len(store), "tokens": store.num_tokens}
         _timed(log, "features", do_features)
@@ -147,12 +175,15 @@ def run_recipe(target: LoadedTarget, options: RecipeOptions, stages: list[str]) 
         runner = target.runner
         final_norm = target.model.model.norm.weight.detach()
         embed = target.model.get_input_embeddings().weight.detach()
-        trainer = Trainer(settings, store, embed, runner.lm_head_weight.detach(), final_norm, drafter_config, work / "fit",
-                          target_model=target.model)
+        # Shards grow between runs: a fit per data size, so new data gets a fresh fit while the
+        # feature cache above is extended, not rebuilt.
+        fit_dir = work / (f"fit-{len(store)}" if options.shards_dir is not None else "fit")
+        trainer = Trainer(settings, store, embed, runner.lm_head_weight.detach(), final_norm, drafter_config, fit_dir,
+                          target_model=target.model, device="cpu" if runner.device.type == "cpu" else str(runner.device))
 
     if "fit" in stages:
         def do_fit() -> dict[str, Any]:
-            fitted = trainer.run()
+            fitted = trainer.run(time_budget_s=options.fit_time_budget_s)
             return {**fitted, STAGE_TOTAL: fitted["elapsed_s"]}
         result["fit"] = _timed(log, "fit", do_fit)
         _log(f"fit: {result['fit']}")
@@ -161,11 +192,17 @@ def run_recipe(target: LoadedTarget, options: RecipeOptions, stages: list[str]) 
         def do_export() -> dict[str, Any]:
             stages_log = log.data["stages"]
             tokens = stages_log.get("features", {}).get("tokens", "?")
+            data = (f"{tokens} tokens: {stages_log.get('features', {}).get('sequences', '?')} prompts "
+                    "(journal-prompts, chatterbot-corpus, chitchat-dataset, third-party code stubs, templates) "
+                    "and the target's own greedy answers to them")
+            if options.shards_dir is not None:
+                totals = DataDir(options.shards_dir).manifest["totals"]
+                data += (f", from {len(DataDir(options.shards_dir).shards)} committed shards of {options.shards_dir} "
+                         f"({totals.get('answer_tokens', 0)} answer tokens, {totals.get('wall_s', 0) / 60:.0f} min of "
+                         "generation)")
             info = {
                 "target": target.name,
-                "data": f"{tokens} tokens: {stages_log.get('features', {}).get('sequences', '?')} prompts "
-                        "(journal-prompts, chatterbot-corpus, chitchat-dataset, third-party code stubs, templates) "
-                        "and the target's own greedy answers to them",
+                "data": data,
                 "steps": trainer.step,
                 "wall_time": f"{log.total_seconds / 60:.1f} min for the whole recipe so far",
                 "hardware": hardware_summary(),

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from ..drafter import BlockLayout, DFlashDrafter, DrafterConfig, init_drafter_weights
+from .errors import TrainingError
 from .features import FeatureStore
 from .objective import Batch, compute_loss, make_batch, slot_weights
 
@@ -158,7 +159,7 @@ class Trainer:
         from accelerate import Accelerator
 
         if settings.mask_token_id < 0:
-            raise ValueError("TrainSettings.mask_token_id must be set (the recipe picks one for the target)")
+            raise TrainingError("TrainSettings.mask_token_id must be set (the recipe picks one for the target)")
         self.settings = settings
         self.store = store
         self.work = Path(work_dir)
@@ -181,7 +182,8 @@ class Trainer:
         last = store.layer_ids[-1]
         self.final_layer = last if need_final else None
         if need_final and last != (drafter_config.num_target_layers or last + 1) - 1:
-            raise ValueError("KL / regression losses need the target's last layer in the feature cache")
+            raise TrainingError("KL / regression losses need the target's last layer in the feature cache: "
+                                "add it to --feature-layers, or set --kl-weight 0 --reg-weight 0")
 
         drafter = DFlashDrafter(drafter_config)
         init_drafter_weights(drafter, std=settings.init_std, seed=settings.seed)
@@ -189,7 +191,7 @@ class Trainer:
             drafter.norm.weight.copy_(final_norm_weight.float())
         if settings.init == "target":
             if target_model is None:
-                raise ValueError("init='target' needs the target model")
+                raise TrainingError("init='target' needs the target model")
             n = settings.num_layers
             src = list(range(int(target_model.config.num_hidden_layers) - n, int(target_model.config.num_hidden_layers)))
             warm_start(drafter, target_model, src)
@@ -218,7 +220,7 @@ class Trainer:
         saved = state["settings"]
         mismatched = {k for k in saved if k not in ("steps", "checkpoint_every", "eval_every") and saved[k] != getattr(self.settings, k)}
         if mismatched:
-            raise ValueError(
+            raise TrainingError(
                 f"{self.checkpoint_path} was written with other settings ({sorted(mismatched)}); "
                 "use another --work-dir or the same settings"
             )
@@ -350,15 +352,32 @@ class Trainer:
             tau += run
         return {"valid_acc": [round(x, 4) for x in acc], "valid_tau_proxy": round(tau, 3)}
 
-    def run(self, progress: bool = True) -> dict[str, Any]:
+    def _replan(self, time_budget_s: float, run_started: float, first_step: int) -> None:
+        """Set the step count so the run ends within ``time_budget_s`` at the pace measured so far.
+
+        The learning-rate schedule and the block curriculum read ``settings.steps`` at every
+        step, so a re-plan early in the run only stretches or shrinks them."""
+        st = self.settings
+        spent = time.time() - run_started
+        per_step = spent / max(1, self.step - first_step)
+        # 5% margin for the evaluations and the last checkpoint, which the pace so far underweights.
+        st.steps = max(self.step + 1, self.step + int((time_budget_s - spent) * 0.95 / per_step))
+
+    def run(self, progress: bool = True, time_budget_s: float | None = None) -> dict[str, Any]:
+        """Train up to ``settings.steps``; with ``time_budget_s``, the step count is re-planned
+        from the measured pace (after 10, 50 and 200 steps of this run) to end within it."""
         st = self.settings
         last_eval: dict[str, Any] = {}
+        run_started, first_step = time.time(), self.step
         bar = tqdm(total=st.steps, initial=self.step, desc="train drafter", file=sys.stderr,
                    dynamic_ncols=True, mininterval=5.0, disable=not progress or not self.accelerator.is_main_process)
         started = time.time() - self.elapsed
         while self.step < st.steps:
             metrics = self.train_step()
             self.elapsed = time.time() - started
+            if time_budget_s is not None and self.step - first_step in (10, 50, 200):
+                self._replan(time_budget_s, run_started, first_step)
+                bar.total = st.steps
             record = {"step": self.step, "elapsed_s": round(self.elapsed, 1), **{k: round(v, 5) for k, v in metrics.items()}}
             if self.step % st.eval_every == 0 or self.step == st.steps:
                 last_eval = self.evaluate()

@@ -1,0 +1,140 @@
+"""Committed answer shards: format, cursor, resumption, refusals, and training from them alone."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from dflash_core.drafter import DFlashDrafter
+from dflash_core.training.errors import TrainingError
+from dflash_core.training.features import FeatureStore
+from dflash_core.training.gen_data import GenDataOptions, generate_shards
+from dflash_core.training.prompt_sources import Prompt, split, write_prompts
+from dflash_core.training.recipe import RecipeOptions, run_recipe
+from dflash_core.training.selfdistill import chat_ids
+from dflash_core.training.shards import DataDir, ShardContent, read_samples, read_shard, write_shard
+from dflash_core.training.trainer import TrainSettings
+from test_recipe import tiny_chat_target  # noqa: F401  (a module-scoped fixture)
+
+
+def _prompts(n: int, start: int = 0) -> list[Prompt]:
+    return [Prompt(f"q{i}", f"test/{i % 3}", [{"role": "user", "content": f"Question {i}: what is {i} times {i}?"}])
+            for i in range(start, start + n)]
+
+
+def _options(tmp_path, **kw) -> GenDataOptions:
+    base = dict(prompts_file=tmp_path / "prompts.jsonl", data_dir=tmp_path / "data", shard_prompts=4, slots=3,
+                max_new_tokens=10)
+    base.update(kw)
+    return GenDataOptions(**base)
+
+
+@pytest.mark.parametrize("vocab", [49152, 100_000])
+def test_a_shard_round_trips_token_ids_exactly(tmp_path, vocab):
+    big = vocab - 1
+    content = ShardContent(ids=["a", "b"], prompt_ids=[[1, 2, 3], [big]], answer_ids=[[4, big, 0], []],
+                           finished=[True, False], skipped=["c"], meta={"k": 1})
+    write_shard(tmp_path / "s.npz", content, vocab)
+    back = read_shard(tmp_path / "s.npz")
+    assert back == content
+    with np.load(tmp_path / "s.npz") as z:
+        assert z["answer_ids"].dtype == (np.uint16 if vocab <= 65536 else np.int32)
+
+
+def test_gen_data_appends_contiguous_shards_and_never_answers_twice(tiny_chat_target, tmp_path):
+    prompts = _prompts(14)
+    write_prompts(prompts, tmp_path / "prompts.jsonl")
+    order = [p.id for p in split(prompts)[0]]
+    first = generate_shards(tiny_chat_target, _options(tmp_path, max_answer_tokens=1))
+    # A token budget of 1 stops new prompts once the first answer is in: that answer's shard holds
+    # the prompts already started (the slots), no more.
+    data = DataDir(tmp_path / "data")
+    assert first["new_shards"] == ["shard-00000.npz"] and 1 <= data.cursor <= 3
+    second = generate_shards(tiny_chat_target, _options(tmp_path))
+    data = DataDir(tmp_path / "data")
+    assert second["exhausted"] and data.cursor == len(order)
+    # Shards tile the prompt order: each starts where the last ended, every prompt answered once.
+    assert [s["first"] for s in data.shards] == [0] + [s["next"] for s in data.shards[:-1]]
+    samples = read_samples(tmp_path / "data")
+    assert [s.id for s in samples] == order
+    assert data.manifest["totals"]["answer_tokens"] == sum(len(s.response_ids) for s in samples)
+    meta = read_shard(tmp_path / "data" / "shard-00001.npz").meta
+    assert meta["first"] == data.shards[1]["first"] and meta["machine"] and meta["wall_s"] >= 0
+    assert meta["max_new_tokens"] == 10 and meta["device"] == "cpu"
+    # The answers are the target's greedy answers (fp32: token for token what generate() gives).
+    tok, model = tiny_chat_target.tokenizer, tiny_chat_target.model
+    sample = samples[2]
+    assert sample.prompt_ids == chat_ids(tok, prompts[[p.id for p in prompts].index(sample.id)].messages)
+    out = model.generate(torch.tensor([sample.prompt_ids]), max_new_tokens=10, do_sample=False,
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    assert out[0, len(sample.prompt_ids):].tolist()[: len(sample.response_ids)] == sample.response_ids
+    # Nothing left: a further run adds nothing.
+    assert generate_shards(tiny_chat_target, _options(tmp_path))["new_shards"] == []
+    # Appending prompts to the file continues after the cursor.
+    write_prompts(prompts + _prompts(5, start=100), tmp_path / "prompts.jsonl")
+    more = generate_shards(tiny_chat_target, _options(tmp_path))
+    assert more["new_shards"] and {s.id for s in read_samples(tmp_path / "data")} >= {f"q{i}" for i in range(100, 105)} - {
+        p.id for p in split(_prompts(5, start=100))[1]}
+
+
+def test_a_killed_run_loses_only_the_shard_in_progress(tiny_chat_target, tmp_path, monkeypatch):
+    write_prompts(_prompts(12), tmp_path / "prompts.jsonl")
+    reference = generate_shards(tiny_chat_target, _options(tmp_path, data_dir=tmp_path / "reference"))
+    calls = {"n": 0}
+    original = DataDir.add_shard
+
+    def killed_on_the_second(self, entry, order):
+        calls["n"] += 1
+        if calls["n"] == 2:  # the second shard is on disk, its manifest entry not yet
+            raise KeyboardInterrupt
+        original(self, entry, order)
+
+    monkeypatch.setattr(DataDir, "add_shard", killed_on_the_second)
+    with pytest.raises(KeyboardInterrupt):
+        generate_shards(tiny_chat_target, _options(tmp_path))
+    monkeypatch.setattr(DataDir, "add_shard", original)
+    assert len(DataDir(tmp_path / "data").shards) == 1
+    generate_shards(tiny_chat_target, _options(tmp_path))
+    got = [(s.id, s.response_ids) for s in read_samples(tmp_path / "data")]
+    assert got == [(s.id, s.response_ids) for s in read_samples(tmp_path / "reference")]
+    assert reference["exhausted"] and not list((tmp_path / "data").glob("*.tmp"))
+
+
+def test_data_from_other_settings_or_an_edited_prompt_file_is_refused(tiny_chat_target, tmp_path):
+    write_prompts(_prompts(8), tmp_path / "prompts.jsonl")
+    generate_shards(tiny_chat_target, _options(tmp_path, max_answer_tokens=1))
+    with pytest.raises(TrainingError, match="max_new_tokens"):
+        generate_shards(tiny_chat_target, _options(tmp_path, max_new_tokens=11))
+    write_prompts(list(reversed(_prompts(8))), tmp_path / "prompts.jsonl")
+    with pytest.raises(TrainingError, match="only grow by appending"):
+        generate_shards(tiny_chat_target, _options(tmp_path))
+    (tmp_path / "data" / "shard-00000.npz").write_bytes(b"not a shard")
+    with pytest.raises(TrainingError, match="restore it from git"):
+        read_samples(tmp_path / "data")
+
+
+def test_the_recipe_trains_from_committed_shards_alone(tiny_chat_target, tmp_path):
+    write_prompts(_prompts(14), tmp_path / "prompts.jsonl")
+    generate_shards(tiny_chat_target, _options(tmp_path))
+    settings = TrainSettings(num_layers=1, target_layer_ids=[0, 1], mask_token_id=7, anchors_per_sequence=4,
+                             sequences_per_step=2, steps=3, sub_vocab=256, negatives=256, checkpoint_every=2,
+                             eval_every=3, eval_sequences=2, validation_percent=10)
+    options = RecipeOptions(work_dir=tmp_path / "work", out_dir=tmp_path / "drafter", shards_dir=tmp_path / "data",
+                            draft_vocab=64, command="test", settings=settings)
+    result = run_recipe(tiny_chat_target, options, ["features", "fit", "export"])
+    store = FeatureStore(tmp_path / "work" / "features")
+    assert len(store) == len(read_samples(tmp_path / "data")) and result["fit"]["steps"] == 3
+    assert (tmp_path / "work" / f"fit-{len(store)}" / "checkpoint.pt").is_file()
+    assert DFlashDrafter.from_pretrained(tmp_path / "drafter").config.target_layer_ids == [0, 1]
+    info = json.loads((tmp_path / "drafter" / "training_info.json").read_text())
+    assert "committed shards" in info["data"]
+
+
+def test_the_recipe_without_answers_says_what_to_run(tiny_chat_target, tmp_path):
+    options = RecipeOptions(work_dir=tmp_path / "work", out_dir=tmp_path / "d", shards_dir=tmp_path / "empty",
+                            settings=TrainSettings(mask_token_id=7, target_layer_ids=[0, 1]))
+    with pytest.raises(TrainingError, match="gen-data"):
+        run_recipe(tiny_chat_target, options, ["features"])
