@@ -1,4 +1,4 @@
-"""Command line: ``python -m dflash_core {pairs, generate, train, bench}``.
+"""Command line: ``python -m dflash_core {pairs, generate, serve, train, bench}``.
 
 Results go to stdout (one JSON object with ``--json``); progress and logs go to stderr. A
 mistake in the input exits with status 2 and a one-line message that says what is allowed.
@@ -143,6 +143,28 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+# ------------------------------------------------------------------------------------------ serve
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+    from app.service import StudioService  # the studio's engine holder, so both front ends load pairs alike
+
+    from .serving import build_app
+
+    service = StudioService(args.registry)
+    name = service.registry.get(args.pair).name  # an unknown pair fails here, before the server starts
+    service.preload(name)
+    if args.host not in LOOPBACK and not os.environ.get("DFLASH_API_KEY"):
+        _log(f"warning: serving on {args.host} without an API key: anyone who can reach this port can generate "
+             f"(set DFLASH_API_KEY to require one)")
+    _log(f"OpenAI-compatible API on http://{args.host}:{args.port}/v1 (models: {', '.join(service.registry.pairs)}; "
+         f"loading {name} in the background)")
+    uvicorn.run(build_app(service), host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
 # ------------------------------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m dflash_core", description=__doc__.splitlines()[0])
@@ -174,6 +196,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--raw", action="store_true", help="use the prompt as is, without the chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object with token ids, text and cycles")
     g.set_defaults(func=cmd_generate)
+
+    s = sub.add_parser("serve", help="an OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/models)")
+    s.add_argument("--pair", help="pair to load at start (default: the registry's default); every pair is served")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    s.add_argument("--port", type=int, default=8000)
+    s.set_defaults(func=cmd_serve)
 
     from .training.cli import add_train_parser
 

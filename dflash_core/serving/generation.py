@@ -1,0 +1,143 @@
+"""One request's generation on an engine: the prompt encoded, the settings checked, the engine's
+cycles turned into text cut at the stop strings, and the usage figures (tokens and DFlash's own).
+
+Everything here is synchronous and runs in a worker thread; ``routes`` decides when.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import replace
+from typing import Any
+
+from ..engine import Engine
+from ..errors import PromptError, SettingsError
+from ..prompting import check_fits_context, check_prompt_text, encode_prompt, max_new_tokens_limit
+from ..speculative import CycleEvent, GenerationConfig
+from .protocol import Request
+from .stops import StopCutter
+
+
+def encode_messages(tokenizer: Any, messages: list[dict[str, str]], thinking: bool | None = None) -> list[int]:
+    """Token ids of a conversation through the target's chat template, ready for the answer."""
+    # The conversation's text gets the checks a single prompt gets (empty, invalid Unicode, length).
+    check_prompt_text("\n".join(m["content"] for m in messages))
+    template = str(getattr(tokenizer, "chat_template", "") or "")
+    if not template:
+        raise PromptError("this target has no chat template: use /v1/completions with the prompt text as is")
+    kwargs: dict[str, Any] = {}
+    if thinking is not None:
+        # Qwen3-style templates switch thinking with ``enable_thinking``; a template without the
+        # switch would silently ignore it, so say so instead.
+        if "enable_thinking" not in template:
+            raise SettingsError("thinking: this target's chat template has no thinking switch (enable_thinking); "
+                                "leave thinking out")
+        kwargs["enable_thinking"] = thinking
+    try:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
+    except Exception as exc:  # jinja's TemplateError and the template's own raise_exception()
+        raise PromptError(f"the target's chat template refused these messages: {exc}") from None
+    if hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    ids = list(ids)
+    if not ids:
+        raise PromptError("the messages encode to no tokens")
+    return ids
+
+
+def prepare(engine: Engine, request: Request) -> tuple[list[int], GenerationConfig]:
+    """Prompt ids and the validated config, with the checks of ``Engine.prepare`` (which takes a
+    single prompt text, where a chat request brings a conversation)."""
+    if request.kind == "chat":
+        ids = encode_messages(engine.tokenizer, request.messages, request.thinking)
+    else:
+        if request.thinking is not None:
+            raise SettingsError("thinking applies to chat messages only; leave it out of /v1/completions")
+        ids = encode_prompt(engine.tokenizer, request.prompt, raw=True)
+    config = request.config
+    if request.max_tokens is None:
+        # OpenAI's meaning of no max_tokens: as long as the model may go (here: the context left,
+        # within DFLASH_MAX_NEW_TOKENS).
+        config = replace(config, max_new_tokens=max(1, min(max_new_tokens_limit(), engine.context_length - len(ids))))
+    if config.block_size is None and engine.pair.block_size:
+        config = replace(config, block_size=engine.pair.block_size)
+    config = config.validated(engine.drafter.block_size, max_new_tokens_limit())
+    if request.mode == "ar":
+        config = replace(config, block_size=1)
+    elif (config.tree or config.lookup) and not hasattr(engine.target.runner, "forward_tree"):
+        raise SettingsError(f"variant {request.variant!r} needs the fast target runner; this target runs on "
+                            f"{type(engine.target.runner).__name__} (use variant 'dflash' or 'ar')")
+    check_fits_context(len(ids), config.max_new_tokens, engine.context_length)
+    return ids, config
+
+
+class Generation:
+    """The engine's cycles for one request, consumed one ``step`` at a time.
+
+    The engine is held from the first ``step`` until the answer ends or ``close`` is called;
+    ``cancel`` (set from any thread) makes the engine end at its next cycle.
+    """
+
+    def __init__(self, engine: Engine, ids: list[int], config: GenerationConfig, request: Request) -> None:
+        self.engine = engine
+        self.config = config
+        self.variant = request.variant
+        self.prompt_tokens = len(ids)
+        self.cancel = threading.Event()
+        self.cutter = StopCutter(request.stops)
+        self.tokens: list[int] = []
+        self.events: list[CycleEvent] = []
+        self.finish_reason: str | None = None
+        self._first_at = self._last_at = 0.0
+        self._events = engine.stream_ids(ids, config, should_stop=self.cancel.is_set)
+
+    @property
+    def text(self) -> str:
+        return self.cutter.sent
+
+    def step(self) -> str:
+        """Run one cycle and return the text it lets through (may be empty); sets
+        ``finish_reason`` ("stop" | "length" | "cancelled") on the last one."""
+        event = next(self._events)
+        self._last_at = time.perf_counter()
+        if not self.events:
+            self._first_at = self._last_at
+        self.events.append(event)
+        self.tokens.extend(event.committed)
+        ended = event.finish_reason is not None
+        delta = self.cutter.feed(self.engine.decode(self.tokens), final=ended)
+        if self.cutter.stopped:
+            self.finish_reason = "stop"
+            self.close()  # a stop string ends the answer: free the engine now
+        elif ended:
+            self.finish_reason = event.finish_reason
+        return delta
+
+    def run(self) -> str:
+        """All the cycles (``stream`` false); the whole answer."""
+        while self.finish_reason is None:
+            self.step()
+        return self.text
+
+    def close(self) -> None:
+        """Release the engine (never while ``step`` runs in another thread)."""
+        self.cancel.set()
+        self._events.close()
+
+    def usage(self) -> dict[str, Any]:
+        """OpenAI's token counts plus DFlash's figures under ``dflash``."""
+        cycles = [e for e in self.events if not e.is_prefill]
+        lengths = [e.accept_len for e in cycles if e.drafted]
+        figures = {
+            "variant": self.variant,
+            "block_size": self.config.block_size,
+            "cycles": len(cycles),  # target passes after the prompt's
+            "tau": round(sum(lengths) / len(lengths), 4) if lengths else None,  # mean tokens per drafting cycle
+            "prefill_s": round(self.events[0].verify_s, 6) if self.events else 0.0,
+            "draft_s": round(sum(e.draft_s for e in cycles), 6),
+            "verify_s": round(sum(e.verify_s for e in cycles), 6),
+            "decode_s": round(self._last_at - self._first_at, 6),
+        }
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": len(self.tokens),
+                "total_tokens": self.prompt_tokens + len(self.tokens), "dflash": figures}
