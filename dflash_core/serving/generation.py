@@ -12,38 +12,12 @@ from dataclasses import replace
 from typing import Any
 
 from ..engine import Engine
-from ..errors import PromptError, SettingsError
-from ..prompting import check_fits_context, check_prompt_text, encode_prompt, max_new_tokens_limit
+from ..errors import SettingsError
+from ..messages import encode_messages
+from ..prompting import check_fits_context, encode_prompt, max_new_tokens_limit
 from ..speculative import CycleEvent, GenerationConfig
 from .protocol import Request
 from .stops import StopCutter
-
-
-def encode_messages(tokenizer: Any, messages: list[dict[str, str]], thinking: bool | None = None) -> list[int]:
-    """Token ids of a conversation through the target's chat template, ready for the answer."""
-    # The conversation's text gets the checks a single prompt gets (empty, invalid Unicode, length).
-    check_prompt_text("\n".join(m["content"] for m in messages))
-    template = str(getattr(tokenizer, "chat_template", "") or "")
-    if not template:
-        raise PromptError("this target has no chat template: use /v1/completions with the prompt text as is")
-    kwargs: dict[str, Any] = {}
-    if thinking is not None:
-        # Qwen3-style templates switch thinking with ``enable_thinking``; a template without the
-        # switch would silently ignore it, so say so instead.
-        if "enable_thinking" not in template:
-            raise SettingsError("thinking: this target's chat template has no thinking switch (enable_thinking); "
-                                "leave thinking out")
-        kwargs["enable_thinking"] = thinking
-    try:
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
-    except Exception as exc:  # jinja's TemplateError and the template's own raise_exception()
-        raise PromptError(f"the target's chat template refused these messages: {exc}") from None
-    if hasattr(ids, "keys"):
-        ids = ids["input_ids"]
-    ids = list(ids)
-    if not ids:
-        raise PromptError("the messages encode to no tokens")
-    return ids
 
 
 def prepare(engine: Engine, request: Request) -> tuple[list[int], GenerationConfig]:
