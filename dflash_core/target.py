@@ -15,9 +15,11 @@ Two runners share one small interface (``TargetRunner``):
   says whether any number suffices; where none does, outputs agree within rounding instead.
   ``forward_tree`` scores a whole draft tree in one pass with the same per-row arithmetic
   (see ``tree.py``), so tree verification is exactly greedy decoding too.
-* ``HFTarget`` — any ``transformers`` causal LM through its own forward and ``DynamicCache``
-  (rollback with ``crop``). Exact in fp32 in practice; in bf16, blocks and single tokens may round
-  differently, so outputs can part at near-ties (the benchmark reports it).
+* ``HFTarget`` — any ``transformers`` causal LM through its own forward and ``DynamicCache``,
+  including hybrid targets (Qwen3.5/3.6, Qwen3-Next: linear-attention layers) and sliding-window
+  ones (gpt-oss); rolling back after a rejected draft is ``rollback.CacheRollback``'s job. Exact
+  in fp32 in practice; in bf16, blocks and single tokens may round differently, so outputs can
+  part at near-ties (the benchmark reports it).
 
 Features: ``features[layer_id]`` is the residual stream after decoder layer ``layer_id``
 (``hidden_states[layer_id + 1]`` in transformers' numbering, before the final norm).
@@ -33,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from .kernels import Linear
+from .rollback import CacheRollback
 from .tree import DraftTree
 
 FAST_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
@@ -93,7 +96,8 @@ def round_capacity(positions: int) -> int:
 
 # ------------------------------------------------------------------------------------- HF runner
 class HFTarget:
-    """Any transformers causal LM: its own forward, a ``DynamicCache`` cropped on rollback."""
+    """Any transformers causal LM: its own forward, a ``DynamicCache`` rolled back by
+    ``CacheRollback`` (a crop for attention layers; see ``rollback.py`` for the others)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         from transformers import DynamicCache
@@ -113,6 +117,7 @@ class HFTarget:
         self.dtype = model.get_input_embeddings().weight.dtype
         self._cache = None
         self._length = 0
+        self._forward_start = 0  # where the latest forward began: truncate reaches back to here
         # Layer outputs are captured with hooks: transformers' ``hidden_states[-1]`` is *after*
         # the final norm, while a drafter's feature for the last layer is the residual stream.
         self._layers = _decoder_layers(model)
@@ -120,6 +125,7 @@ class HFTarget:
         self._wanted: set[int] = set()
         for index, layer in enumerate(self._layers or ()):
             layer.register_forward_hook(self._make_hook(index))
+        self._rollback = CacheRollback(model, self._layers)
 
     def _make_hook(self, index: int):
         def hook(_module, _args, output):
@@ -133,22 +139,29 @@ class HFTarget:
 
     def reset(self, capacity: int) -> None:
         self._cache = self._cache_cls(config=self.model.config)
+        self._rollback.attach(self._cache)
         self._length = 0
+        self._forward_start = 0
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, layer_ids: Sequence[int] | None, last_only: bool = False) -> TargetOutput:
         t = input_ids.shape[-1]
         self._wanted = set(layer_ids or ())
         positions = torch.arange(self._length, self._length + t, device=self.device)[None]
-        out = self.model(
-            input_ids=input_ids.view(1, t).to(self.device),
-            position_ids=positions,
-            use_cache=True,
-            output_hidden_states=bool(layer_ids) and self._layers is None,
-            logits_to_keep=1 if last_only else 0,
-            **{self._cache_arg: self._cache},
-        )
+        self._rollback.begin(t)
+        try:
+            out = self.model(
+                input_ids=input_ids.view(1, t).to(self.device),
+                position_ids=positions,
+                use_cache=True,
+                output_hidden_states=bool(layer_ids) and self._layers is None,
+                logits_to_keep=1 if last_only else 0,
+                **{self._cache_arg: self._cache},
+            )
+        finally:
+            self._rollback.end()
         self._wanted = set()
+        self._forward_start = self._length
         self._length += t
         features = None
         if layer_ids:
@@ -161,9 +174,16 @@ class HFTarget:
         return TargetOutput(out.logits[0], features)
 
     def truncate(self, length: int) -> None:
-        if length < self._length:
-            self._cache.crop(length - self._length)  # transformers 5: negative = tokens to drop
-            self._length = length
+        """Keep the first ``length`` positions; ``length`` must lie within the latest forward
+        (rolling back further is not something the loop does, and linear-attention and
+        sliding-window layers could not do it at a cost independent of the context)."""
+        if length > self._length:
+            raise ValueError(f"cannot truncate to {length} positions: the cache holds {self._length}")
+        if length < self._forward_start:
+            raise ValueError(f"cannot truncate to {length} positions: rolling back reaches only into the latest "
+                             f"forward, which began at {self._forward_start}")
+        self._rollback.rollback(length - self._forward_start, self._length - length)
+        self._length = length
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.get_input_embeddings()(input_ids.to(self.device))
