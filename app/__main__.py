@@ -2,7 +2,8 @@
 
 Binds 127.0.0.1:7860 unless GRADIO_SERVER_NAME / GRADIO_SERVER_PORT say otherwise; never creates a
 public share link unless DFLASH_SHARE=1. The default pair starts loading at once, in the
-background, while the page is already usable.
+background, while the page is already usable. The OpenAI-compatible API is served under ``/v1``
+on the same port (``DFLASH_API_KEY``, when set, is required there).
 """
 
 from __future__ import annotations
@@ -25,8 +26,14 @@ def main() -> None:
     demo = build_app(service)
     print(f"DFlash Studio on http://{host}:{port} (loading {service.registry.default} in the background)", file=sys.stderr)
     demo.queue(default_concurrency_limit=1, max_size=int(os.environ.get("DFLASH_QUEUE_SIZE", "64")))
-    demo.launch(server_name=host, server_port=port, share=os.environ.get("DFLASH_SHARE") == "1",
-                css=css(), footer_links=["api"], show_error=True)
+    server_app, _, _ = demo.launch(server_name=host, server_port=port, share=os.environ.get("DFLASH_SHARE") == "1",
+                                   css=css(), footer_links=["api"], show_error=True, prevent_thread_lock=True)
+    # The OpenAI-compatible API on the same port, sharing the UI's engines (dflash_core.serving).
+    from dflash_core.serving import build_router
+
+    server_app.include_router(build_router(service))
+    print(f"OpenAI-compatible API on http://{host}:{port}/v1", file=sys.stderr)
+    demo.block_thread()
 
 
 if __name__ == "__main__":

@@ -80,8 +80,9 @@ def cli_json(capsys, *args: str) -> dict:
 
 
 def test_models_lists_every_registry_pair(client, service):
-    ids = [m.id for m in client.models.list()]
-    assert ids == list(service.registry.pairs)
+    models = client.models.list().data
+    assert [m.id for m in models] == list(service.registry.pairs)
+    assert next(m for m in models if m.id == PAIR).model_extra["status"].startswith("ready")
     assert client.models.retrieve(PAIR).id == PAIR
 
 
@@ -211,3 +212,48 @@ def test_an_api_key_from_the_environment_is_required_when_set(service, monkeypat
         assert PAIR in [m.id for m in good.models.list()]
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("command", [["-m", "app"], ["-m", "dflash_core", "serve", "--port", "{port}"]],
+                         ids=["studio", "serve"])
+def test_the_api_runs_on_the_studio_port_and_alone(command):
+    """``python -m app`` serves the API on the studio's own port; ``python -m dflash_core serve``
+    serves it without the UI. Both answer a chat with the default pair (loaded in the background)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from dflash_core.registry import load_registry
+
+    port = free_port()
+    env = {**os.environ, "GRADIO_SERVER_PORT": str(port), "GRADIO_ANALYTICS_ENABLED": "False", "DFLASH_API_KEY": ""}
+    env.pop("GRADIO_SERVER_NAME", None)
+    args = [sys.executable, *(part.format(port=port) for part in command)]
+    proc = subprocess.Popen(args, cwd=Path(__file__).resolve().parent.parent, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}/v1"
+        deadline = time.time() + 180
+        while True:
+            assert proc.poll() is None, f"{' '.join(command)} exited: {proc.stderr.read()}"
+            assert time.time() < deadline, f"{' '.join(command)} did not serve /v1/models in 180 s"
+            try:
+                if httpx.get(url + "/models", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        default = load_registry().default
+        client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=300)
+        assert default in [m.id for m in client.models.list()]
+        answer = client.chat.completions.create(model=default, messages=[{"role": "user", "content": "Say hello."}],
+                                                max_tokens=8, temperature=0)
+        assert answer.choices[0].message.content and answer.usage.completion_tokens <= 8
+        if command == ["-m", "app"]:
+            assert httpx.get(f"http://127.0.0.1:{port}/", timeout=10).status_code == 200  # the studio still there
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()

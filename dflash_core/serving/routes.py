@@ -128,7 +128,9 @@ def build_router(service: EngineSource, api_key: str | None = None, queue_size: 
         problem = device_problem(pair)
         return {"id": name, "object": "model", "created": started, "owned_by": "dflash-studio",
                 "description": pair.description, "target": pair.target.describe(), "drafter": pair.drafter.describe(),
-                "available": problem is None, "unavailable_reason": problem}
+                "available": problem is None, "unavailable_reason": problem,
+                # the studio's loading progress ("not loaded", "ready (loaded in 6.1 s)", ...)
+                "status": getattr(service, "status", {}).get(name, "not loaded")}
 
     def check_model(name: str) -> None:
         if name not in service.registry.pairs:
