@@ -239,9 +239,12 @@ def choose_mask_token_id(tokenizer: Any, vocab_size: int) -> int:
 
 def random_drafter(target: LoadedTarget, layers: int, seed: int, block_size: int = 16) -> DFlashDrafter:
     """A randomly initialised drafter shaped for ``target`` (accepts almost nothing; still lossless)."""
+    cfg = target.config
     config = DrafterConfig.for_target(
-        target.config, num_layers=layers, block_size=block_size,
-        mask_token_id=choose_mask_token_id(target.tokenizer, int(target.config.vocab_size)),
+        cfg, num_layers=layers, block_size=block_size,
+        mask_token_id=choose_mask_token_id(target.tokenizer, int(cfg.vocab_size)),
+        # MoE text configs (Qwen3.5-MoE) give only expert widths; a dense drafter needs its own.
+        intermediate_size=getattr(cfg, "intermediate_size", None) or 3 * int(cfg.hidden_size),
     )
     drafter = DFlashDrafter(config)
     init_drafter_weights(drafter, seed=seed)

@@ -11,8 +11,19 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+# Families ``tiny_target`` builds. The hybrid ones alternate layer kinds (the published models
+# use 3 linear : 1 full and 1 sliding : 1 full; alternating gives both kinds in 2 layers).
+TINY_FAMILIES = ("llama", "qwen3", "qwen3_5", "qwen3_5_moe", "qwen3_next", "gpt_oss")
+TINY_SLIDING_WINDOW = 8  # gpt_oss: small, so generations of a few dozen tokens cross the window
+
+
 def tiny_target(family: str = "llama", vocab: int = 96, layers: int = 4, seed: int = 0, dtype=torch.float32):
-    """A randomly initialised causal LM small enough for hundreds of generations per second."""
+    """A randomly initialised causal LM small enough for hundreds of generations per second.
+
+    ``qwen3_5``, ``qwen3_5_moe`` and ``qwen3_next`` alternate Gated DeltaNet (linear-attention)
+    and full-attention layers; ``gpt_oss`` alternates sliding-window (``TINY_SLIDING_WINDOW``)
+    and full-attention layers with attention sinks and a mixture of experts."""
+    import transformers
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
@@ -25,8 +36,32 @@ def tiny_target(family: str = "llama", vocab: int = 96, layers: int = 4, seed: i
         model = LlamaForCausalLM(LlamaConfig(**common))
     elif family == "qwen3":
         model = Qwen3ForCausalLM(Qwen3Config(head_dim=16, **common))
+    elif family in ("qwen3_5", "qwen3_5_moe", "qwen3_next"):
+        hybrid = dict(
+            head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
+            linear_num_key_heads=2, linear_num_value_heads=4,
+            layer_types=[("linear_attention", "full_attention")[i % 2] for i in range(layers)],
+        )
+        moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+        if family == "qwen3_5":
+            model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**hybrid, **common))
+        elif family == "qwen3_5_moe":
+            dense = {k: v for k, v in common.items() if k != "intermediate_size"}  # experts only
+            model = transformers.Qwen3_5MoeForCausalLM(transformers.Qwen3_5MoeTextConfig(**hybrid, **moe, **dense))
+        else:
+            model = transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(**hybrid, **moe, **common))
+    elif family == "gpt_oss":
+        # gpt-oss's YaRN RoPE, its factor consistent with the short context (no warning).
+        rope = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                "truncate": False, "original_max_position_embeddings": common["max_position_embeddings"] // 32}
+        config = transformers.GptOssConfig(
+            head_dim=16, sliding_window=TINY_SLIDING_WINDOW, num_local_experts=4, num_experts_per_tok=2,
+            layer_types=[("sliding_attention", "full_attention")[i % 2] for i in range(layers)],
+            rope_parameters=rope, **common,
+        )
+        model = transformers.GptOssForCausalLM(config)
     else:
-        raise ValueError(family)
+        raise ValueError(f"family {family!r} is not one of {TINY_FAMILIES}")
     # Sharper logits than the default init, so greedy decoding has clear winners and the
     # generated text is not one token repeated.
     with torch.no_grad():
