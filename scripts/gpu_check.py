@@ -9,7 +9,11 @@ suite does, so the script is known to work before a GPU is at hand.
 Checks, on CUDA: greedy DFlash == greedy AR for the fast and the generic runner, in bf16 and
 fp32, block sizes 2..16 (chains; trees and prompt lookup too on the fast runner), with a random
 and an oracle drafter; drafter on the CPU with the target on the GPU (different devices); a 4-bit
-bitsandbytes target when bitsandbytes is installed.
+bitsandbytes target when bitsandbytes is installed; hybrid targets (qwen3_5, qwen3_5_moe,
+qwen3_next: Gated DeltaNet + full attention) and gpt_oss (sliding window 8 + full attention) on
+the generic runner in fp32, whose rollbacks restore linear-attention states and sliding windows
+(``dflash_core/rollback.py``); in bf16 those are reported, not counted (``hybrid_bf16``: blocks
+and single tokens may round differently there, so outputs can part at near-ties).
 Speed: CUDA-event timing of AR vs DFlash with the oracle drafter (every draft accepted), which
 shows what the loop costs when the drafter is perfect. Exit status 1 when any check fails.
 """
@@ -83,6 +87,7 @@ def main() -> None:
             _, t_df = timer(lambda: collect(stream(runner, oracle, prompt, GenerationConfig(max_new_tokens=256, block_size=16).validated(16))))
             report["speed"] = {"ar_tok_s": round(256 / t_ar, 1), "dflash_oracle_tok_s": round(256 / t_df, 1),
                                "ratio": round(t_ar / t_df, 2)}
+    failures += check_hybrid_families(device, prompt, report)
     try:
         import bitsandbytes  # noqa: F401
         from transformers import AutoModelForCausalLM, BitsAndBytesConfig
@@ -106,6 +111,44 @@ def main() -> None:
     args.out.write_text(json.dumps(report, indent=2))
     print(json.dumps({k: v for k, v in report.items() if k != "checks"}, indent=2))
     sys.exit(1 if failures else 0)
+
+
+def check_hybrid_families(device: torch.device, prompt: list[int], report: dict) -> int:
+    """Greedy DFlash == greedy AR on the generic runner for the hybrid and sliding-window
+    families, with a random drafter (nearly every draft rejected: a rollback every cycle), one
+    right except at every fifth position (rollbacks partway through blocks) and an oracle;
+    returns the number of fp32 failures."""
+    from conftest import tiny_target
+    from test_hybrid_targets import SometimesRightDrafter, drafter_for
+    from test_speculative import OracleDrafter
+
+    from dflash_core.speculative import GenerationConfig, collect, stream
+    from dflash_core.target import HFTarget
+
+    failures = 0
+    report["hybrid_bf16"] = []
+    for family in ("qwen3_5", "qwen3_5_moe", "qwen3_next", "gpt_oss"):
+        for dtype in (torch.float32, torch.bfloat16):
+            model = tiny_target(family, vocab=512, layers=4, seed=0, dtype=dtype)
+            base = drafter_for(model)
+            model.to(device)
+            runner = HFTarget(model)
+            ar = collect(stream(runner, None, prompt, GenerationConfig(max_new_tokens=48, block_size=1).validated(16)))
+            oracle = OracleDrafter(base, prompt + ar.token_ids).to(device, dtype)
+            sometimes = SometimesRightDrafter(base, prompt + ar.token_ids).to(device, dtype)
+            for block in (4, 16):
+                cfg = GenerationConfig(max_new_tokens=48, block_size=block).validated(16)
+                for name, drafter in (("random", base.to(device)), ("sometimes", sometimes), ("oracle", oracle)):
+                    out = collect(stream(runner, drafter, prompt, cfg))
+                    row = {"family": family, "dtype": str(dtype), "runner": "hf", "drafter": name,
+                           "drafter_device": str(device), "block": block, "tree": False, "lookup": False,
+                           "lossless": out.token_ids == ar.token_ids, "tau": round(out.tau, 3)}
+                    if dtype == torch.float32:
+                        failures += not row["lossless"]
+                        report["checks"].append(row)
+                    else:
+                        report["hybrid_bf16"].append(row)
+    return failures
 
 
 if __name__ == "__main__":

@@ -36,6 +36,8 @@ def test_the_gpu_check_runs_every_check_on_the_cpu_from_anywhere(tmp_path):
     assert {("fast", "torch.bfloat16"), ("fast", "torch.float32"), ("hf", "torch.bfloat16"), ("hf", "torch.float32")} <= seen
     assert {(c["tree"], c["lookup"]) for c in checks if c["runner"] == "fast"} == {(False, False), (True, False), (False, True), (True, True)}
     assert {c["block"] for c in checks if c["runner"] == "hf"} == {2, 4, 8, 16}
+    # Hybrid (linear attention) and sliding-window targets, on the generic runner.
+    assert {c.get("family") for c in checks} >= {"qwen3_5", "qwen3_5_moe", "qwen3_next", "gpt_oss"}
     # The oracle drafter really is one: nearly every draft kept (the last cycle may be cut short).
     assert all(c["tau"] >= 0.9 * c["block"] for c in checks if c["drafter"] == "oracle")
     assert set(report["speed"]) == {"ar_tok_s", "dflash_oracle_tok_s", "ratio"}
