@@ -163,25 +163,24 @@ def test_a_rollback_reaches_only_into_the_latest_forward():
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_dflash_equals_greedy_ar_with_many_rejected_drafts(family):
-    model = tiny_target(family, layers=2)  # one layer of each kind
+    model = tiny_target(family)
     runner = HFTarget(model)
     drafter = drafter_for(model)
     rejected = partial = 0
-    for prompt in PROMPTS[1:]:
-        ar = collect(stream(runner, None, prompt, GenerationConfig(max_new_tokens=32, block_size=1).validated(16)))
-        assert len(ar.token_ids) == 32
+    for prompt in PROMPTS:
+        ar = collect(stream(runner, None, prompt, GenerationConfig(max_new_tokens=40, block_size=1).validated(16)))
+        assert len(ar.token_ids) == 40
         reference = list(prompt) + ar.token_ids
-        for block in (5, 16):
-            cfg = GenerationConfig(max_new_tokens=32, block_size=block).validated(16)
+        for block in (2, 5, 16):
+            cfg = GenerationConfig(max_new_tokens=40, block_size=block).validated(16)
             for proposer in (drafter, SometimesRightDrafter(drafter, reference), OracleDrafter(drafter, reference)):
                 out = collect(stream(runner, proposer, prompt, cfg))
                 assert out.token_ids == ar.token_ids, (family, block, type(proposer).__name__)
                 rejected += sum(c.num_accepted < len(c.drafted) for c in out.cycles)
                 partial += sum(0 < c.num_accepted < len(c.drafted) for c in out.cycles)
-    assert rejected > 40 and partial > 10  # rollbacks of every kind really happened
+    assert rejected > 100 and partial > 20  # rollbacks of every kind really happened
 
 
-@pytest.mark.slow  # ~2,400 generations: minutes on a shared 2-core machine
 @pytest.mark.parametrize("family", ["qwen3_5", "gpt_oss"])
 def test_dflash_sampling_follows_the_targets_distribution(family):
     """As in test_sampling.py: the joint distribution of 3 sampled tokens over a 5-token
