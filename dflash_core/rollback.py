@@ -109,8 +109,9 @@ class CacheRollback:
                 self._mixers[index] = mixer
 
     def _classify(self, cache: Any) -> list[Any]:
-        """Per cache layer: the layer when it is linear attention, else None (sliding layers are
-        noted in ``self._sliding``); refuses layers this module cannot roll back."""
+        """Per cache layer: the layer when it is linear attention, else None; refuses a layer
+        that holds both kinds (its attention part could be cropped, but its linear part would
+        need a replay of a mixer that also writes attention keys)."""
         attention_cls, _, linear_cls = _cache_classes()
         linear = []
         for index, layer in enumerate(cache.layers):
@@ -141,10 +142,6 @@ class CacheRollback:
                 rest = {k: v for k, v in kwargs.items() if k != "hidden_states"}
                 self._inputs[index] = (hidden, rest)
         return capture
-
-    @property
-    def has_linear_layers(self) -> bool:
-        return bool(self._mixers)
 
     def attach(self, cache: Any) -> None:
         """Track a new cache: its sliding-window layers record their past (see the module doc)."""
