@@ -38,12 +38,17 @@ def _quiet_libraries() -> None:
 # ------------------------------------------------------------------------------------------ pairs
 def cmd_pairs(args: argparse.Namespace) -> int:
     from .loading import device_problem
-    from .registry import load_registry
+    from .registry import load_registry, local_gpu_memory_gb, memory_problem
 
     registry = load_registry(args.registry)
+    gpus = local_gpu_memory_gb()
     rows = []
     for name, pair in registry.pairs.items():
-        problem = device_problem(pair)
+        problem, memory = device_problem(pair), memory_problem(pair, gpus)
+        if problem and memory and not gpus:  # no GPU at all: say so once, with what the pair would need
+            problem = f"{problem} (it needs about {pair.gpu_memory_gb:g} GiB of GPU memory)"
+        else:
+            problem = "; ".join(p for p in (problem, memory) if p) or None
         rows.append({
             "name": name,
             "default": name == registry.default,
@@ -54,6 +59,8 @@ def cmd_pairs(args: argparse.Namespace) -> int:
             "target_device": pair.target_device,
             "drafter_device": pair.drafter_device,
             "quantization": pair.quantization,
+            "enable_thinking": pair.enable_thinking,
+            "gpu_memory_gb": pair.gpu_memory_gb,
             "runnable": problem is None,
             "reason": problem,
         })
@@ -68,6 +75,11 @@ def cmd_pairs(args: argparse.Namespace) -> int:
         print(f"    {row['description']}")
         print(f"    target:  {row['target']}")
         print(f"    drafter: {row['drafter']}")
+        needs = [f"~{row['gpu_memory_gb']:g} GiB GPU memory"] if row["gpu_memory_gb"] else []
+        if row["enable_thinking"] is not None:
+            needs.append(f"thinking {'on' if row['enable_thinking'] else 'off'}")
+        if needs:
+            print(f"    {', '.join(needs)}")
     return 0
 
 
@@ -112,11 +124,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     check_prompt_text(args.prompt)
     config.validated(max_block_size=1 << 20, max_new_tokens_limit=max_new_tokens_limit())
     engine = Engine.from_registry(args.pair, args.registry, progress=_log)
-    ids, config = engine.prepare(args.prompt, config, args.mode, args.raw)
+    ids, config = engine.prepare(args.prompt, config, args.mode, args.raw, args.thinking)
     events = engine.stream_ids(ids, config)
     if args.json:
         result = collect(events)
-        print(json.dumps(result_json(engine, result, args.mode, len(ids)), ensure_ascii=False))
+        out = result_json(engine, result, args.mode, len(ids))
+        out["enable_thinking"] = engine.thinking(args.thinking, args.raw)  # None: the template's default
+        print(json.dumps(out, ensure_ascii=False))
         return 0
 
     def echo(events_iter: Any) -> Any:
@@ -194,6 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also verify, in the same target pass, what followed the last tokens where they occurred "
                         "before in the prompt or the answer (prompt lookup; greedy or rule match)")
     g.add_argument("--raw", action="store_true", help="use the prompt as is, without the chat template")
+    g.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=None,
+                   help="turn the chat template's thinking mode on or off (enable_thinking; default: the pair's "
+                        "enable_thinking in models.toml, else the template's own)")
     g.add_argument("--json", action="store_true", help="print one JSON object with token ids, text and cycles")
     g.set_defaults(func=cmd_generate)
 

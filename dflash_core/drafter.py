@@ -6,12 +6,28 @@ vLLM and SGLang also serve. Architecture (see ``shared/DFLASH.md`` section 2):
 * the selected target layers' hidden states are concatenated and fused: ``fc`` -> ``hidden_norm``;
 * Qwen3-style decoder layers run on the *block* (the anchor token then ``MASK`` tokens, embedded
   with the target's own input embedding). In every layer K and V come from the fused context
-  (all committed positions) followed by the block itself; Q comes from the block only; there is
-  no causal mask;
+  (all committed positions) followed by the block itself; Q comes from the block only;
 * a final ``norm``; logits come from the target's own LM head.
 
+Which keys a block query sees is decided per layer (``DrafterConfig.layer_attention``), as the
+published implementations decide it (z-lab's ``model.py`` and MLX backend, vLLM's
+``qwen3_dflash.py``, SGLang's ``dflash.py``):
+
+* a ``full_attention`` layer sees the whole context and the whole block (no causal mask);
+* a ``sliding_attention`` layer (``layer_types``) sees, for a query at absolute position ``p``,
+  only keys at positions ``j`` with ``|p - j| < sliding_window`` (a window of ``W`` positions
+  ending at the query, itself included: flash-attention's ``window_size=(W-1, W-1)`` that z-lab's
+  ``model.py`` passes, SGLang's ``window_left = W - 1``, vLLM's ``per_layer_sliding_window``);
+  so each slot of a block sees a slightly different stretch of the context;
+* a causal layer lets block slot ``i`` see slots ``0..i`` only (and the context). Causality is
+  resolved as vLLM does: the top-level ``is_causal`` when the config sets it, else
+  ``dflash_config.causal``, else sliding-window layers are causal and full layers are not (the
+  convention of the checkpoints that declare neither, which SGLang follows too by running
+  sliding layers as decoder attention).
+
 The module is a pure function of its inputs plus an optional context K/V cache: no sampling, no
-timing, no generation loop (those live in ``speculative.py``).
+timing, no generation loop (those live in ``speculative.py``). A sliding-window layer's cache
+keeps only the context its window can still reach, so its cost stops growing with the context.
 """
 
 from __future__ import annotations
@@ -48,6 +64,74 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
     return [int(round(start + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
 
 
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+# DFlash fields this module models (read from ``dflash_config`` or, in older checkpoints, the top
+# level), as opposed to the extra ``dflash_config`` keys it keeps verbatim.
+_DFLASH_FIELDS = ("block_size", "mask_token_id", "target_layer_ids", "num_target_layers", "input_embedding_scale",
+                  "output_multiplier", "final_logit_softcapping")
+
+
+@dataclass(frozen=True)
+class LayerAttention:
+    """Which keys one drafter layer's block queries see (module docstring)."""
+
+    sliding_window: int | None = None  # query at p sees keys j with |p - j| < sliding_window
+    causal: bool = False  # block slot i sees block slots 0..i only
+
+    @property
+    def plain(self) -> bool:
+        """The classic layer: the whole context and the whole block, no mask needed."""
+        return self.sliding_window is None and not self.causal
+
+    def describe(self) -> str:
+        kind = f"sliding window {self.sliding_window}" if self.sliding_window is not None else "full"
+        return kind + (", causal" if self.causal else "")
+
+
+def _unsupported_features(raw: dict[str, Any], dflash: dict[str, Any]) -> list[str]:
+    """What a config asks for that this drafter does not implement (each named, with its field)."""
+    problems = []
+    archs = raw.get("architectures") or []
+    conv = {k: dflash.get(k) for k in ("conv_kernel_size", "conv_group_size") if dflash.get(k)}
+    selector = {k: dflash.get(k) for k in ("selector_rank", "selector_top_k") if dflash.get(k)}
+    if "DFlash2DraftModel" in archs or conv or selector:
+        fields = ", ".join(f"{k}={v}" for k, v in {**conv, **selector}.items()) or "architectures = DFlash2DraftModel"
+        problems.append(
+            f"this is a DFlash2 drafter ({fields}): it needs a grouped convolution over the block in every layer "
+            "and a candidate selector that walks the top-k candidates of each slot, and DFlash Studio implements "
+            f"neither; use a {ARCHITECTURE} checkpoint"
+        )
+    if dflash.get("attention_sink_bias") or raw.get("add_swa_attention_sink_bias"):
+        problems.append("attention_sink_bias (a learned per-head attention sink, MiMo drafters) is not implemented")
+    if dflash.get("attention_value_scale") is not None:
+        problems.append("attention_value_scale (scaled attention values) is not implemented")
+    projector = dflash.get("projector_type", raw.get("projector_type"))
+    if projector:
+        problems.append(f"projector_type = {projector!r} (a projector other than fc + hidden_norm) is not implemented")
+    if raw.get("has_embed_tokens") or raw.get("has_lm_head"):
+        problems.append("a drafter with its own embedding or LM head (has_embed_tokens / has_lm_head) is not "
+                        "implemented: DFlash Studio drafts through the target's own")
+    draft_vocab = raw.get("draft_vocab_size")
+    if draft_vocab is not None and draft_vocab != raw.get("vocab_size"):
+        problems.append(f"draft_vocab_size = {draft_vocab} (a reduced vocabulary mapped by d2t) is not implemented")
+    if dflash.get("use_aux_hidden_state", raw.get("use_aux_hidden_state", True)) is False:
+        problems.append("use_aux_hidden_state = false (no fused target features) is not implemented")
+    if dflash.get("sample_from_anchor", raw.get("sample_from_anchor", True)) is False:
+        problems.append("sample_from_anchor = false (queries without the anchor slot) is not implemented")
+    if raw.get("is_neox_style", raw.get("rope_is_neox_style", True)) is False:
+        problems.append("is_neox_style = false (interleaved RoPE) is not implemented")
+    # A partial_rotary_factor with default RoPE is ignored, as z-lab's model.py (Qwen3's rotary
+    # embedding) and MLX backend both rotate the whole head; with another RoPE type transformers
+    # would rotate part of it, which this drafter (like z-lab's code) cannot.
+    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
+    if isinstance(rope, dict) and rope.get("partial_rotary_factor", 1.0) != 1.0 and rope_type != "default":
+        problems.append(f"partial_rotary_factor = {rope['partial_rotary_factor']} with {rope_type} RoPE (a partly "
+                        "rotated head) is not implemented")
+    return problems
+
+
 @dataclass
 class DrafterConfig:
     """The drafter's configuration: a Qwen3 config plus the DFlash fields."""
@@ -60,6 +144,12 @@ class DrafterConfig:
     input_embedding_scale: float = 1.0
     output_multiplier: float = 1.0
     final_logit_softcapping: float | None = None
+    # The window of the sliding_attention layers as the checkpoint gives it (top-level
+    # ``sliding_window``; transformers' Qwen3Config drops it unless use_sliding_window is set).
+    sliding_window: int | None = None
+    is_causal: bool | None = None  # top-level causality override, as read
+    dflash_extra: dict[str, Any] = field(default_factory=dict)  # other dflash_config keys (causal, use_swa, ...)
+    nested: tuple[str, ...] = ()  # which of _DFLASH_FIELDS the checkpoint kept inside dflash_config
     extra: dict[str, Any] = field(default_factory=dict)  # unknown keys, kept for round-trips
 
     @property
@@ -74,17 +164,44 @@ class DrafterConfig:
     def head_dim(self) -> int:
         return getattr(self.qwen3, "head_dim", None) or self.qwen3.hidden_size // self.qwen3.num_attention_heads
 
+    @property
+    def num_layers(self) -> int:
+        return int(self.qwen3.num_hidden_layers)
+
+    @property
+    def layer_types(self) -> list[str]:
+        """Per layer: full_attention or sliding_attention (``dflash_config.use_swa`` makes every
+        layer sliding when ``layer_types`` names none, as vLLM reads it)."""
+        types = list(getattr(self.qwen3, "layer_types", None) or [FULL_ATTENTION] * self.num_layers)
+        if self.dflash_extra.get("use_swa") and SLIDING_ATTENTION not in types:
+            types = [SLIDING_ATTENTION] * self.num_layers
+        return types
+
+    @property
+    def window(self) -> int | None:
+        """The sliding window in positions (``dflash_config.swa_window_size`` first)."""
+        value = self.dflash_extra.get("swa_window_size", self.sliding_window)
+        return None if value is None else int(value)
+
+    def layer_attention(self, index: int) -> LayerAttention:
+        sliding = self.layer_types[index] == SLIDING_ATTENTION
+        if self.is_causal is not None:
+            causal = bool(self.is_causal)
+        elif self.dflash_extra.get("causal") is not None:
+            causal = bool(self.dflash_extra["causal"])
+        else:
+            causal = sliding
+        return LayerAttention(self.window if sliding else None, causal)
+
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> "DrafterConfig":
         archs = raw.get("architectures") or []
-        if "DFlash2DraftModel" in archs:
-            raise ModelLoadError(
-                f"{source}: DFlash2DraftModel (convolution + candidate selector) is not supported; "
-                f"use a {ARCHITECTURE} checkpoint"
-            )
+        dflash = dict(raw.get("dflash_config") or {})
+        problems = _unsupported_features(raw, dflash)
+        if problems:
+            raise ModelLoadError(f"{source}: " + "; ".join(problems))
         if archs and ARCHITECTURE not in archs:
             raise ModelLoadError(f"{source}: architectures = {archs}; expected [{ARCHITECTURE!r}] (z-lab DFlash format)")
-        dflash = dict(raw.get("dflash_config") or {})
 
         def pick(name: str, default: Any = None) -> Any:
             # Newer checkpoints nest DFlash fields in dflash_config; older ones keep them top-level.
@@ -102,18 +219,22 @@ class DrafterConfig:
             raise ModelLoadError(f"{source}: missing required key(s) {missing}")
         if raw.get("hidden_act", "silu") != "silu":
             raise ModelLoadError(f"{source}: hidden_act = {raw['hidden_act']!r}; only 'silu' is supported")
-        qwen_keys = {k: v for k, v in raw.items() if k not in ("dflash_config", "auto_map", "architectures")}
+        qwen_keys = {k: v for k, v in raw.items() if k not in ("dflash_config", "auto_map", "architectures", "is_causal")}
         qwen_keys.pop("model_type", None)
         try:
             qwen3 = Qwen3Config(**qwen_keys)
         except Exception as exc:  # transformers validates with several exception types
             raise ModelLoadError(f"{source}: not a valid Qwen3-style config: {exc}") from exc
+        is_causal = raw.get("is_causal")
+        for name, value in (("is_causal", is_causal), ("dflash_config.causal", dflash.get("causal")),
+                            ("dflash_config.use_swa", dflash.get("use_swa"))):
+            if value is not None and not isinstance(value, bool):
+                raise ModelLoadError(f"{source}: {name} = {value!r}; expected true or false")
         known = set(Qwen3Config().to_dict()) | {
-            "dflash_config", "auto_map", "block_size", "num_target_layers", "target_layer_ids", "mask_token_id",
-            "rope_theta", "rope_scaling", "input_embedding_scale", "output_multiplier", "final_logit_softcapping",
+            "dflash_config", "auto_map", "rope_theta", "rope_scaling", "is_causal", *_DFLASH_FIELDS,
         }
         softcap = pick("final_logit_softcapping")
-        return cls(
+        config = cls(
             qwen3=qwen3,
             block_size=int(pick("block_size", 16)),
             mask_token_id=int(mask_id),
@@ -122,11 +243,27 @@ class DrafterConfig:
             input_embedding_scale=float(pick("input_embedding_scale", 1.0)),
             output_multiplier=float(pick("output_multiplier", 1.0)),
             final_logit_softcapping=float(softcap) if softcap else None,
+            sliding_window=raw.get("sliding_window"),
+            is_causal=is_causal,
+            dflash_extra={k: v for k, v in dflash.items() if k not in _DFLASH_FIELDS},
+            nested=tuple(k for k in _DFLASH_FIELDS if k in dflash),
             extra={k: v for k, v in raw.items() if k not in known},
         )
+        types = config.layer_types
+        odd = sorted({t for t in types if t not in (FULL_ATTENTION, SLIDING_ATTENTION)})
+        if odd:
+            raise ModelLoadError(f"{source}: layer_types {odd} are not drafter layers; allowed: "
+                                 f"{FULL_ATTENTION}, {SLIDING_ATTENTION}")
+        window = config.window
+        if SLIDING_ATTENTION in types and (window is None or isinstance(window, bool) or window < 1):
+            raise ModelLoadError(f"{source}: sliding_attention layers need sliding_window (or "
+                                 f"dflash_config.swa_window_size) >= 1, got {window!r}")
+        return config
 
     def to_dict(self) -> dict[str, Any]:
-        """The z-lab ``config.json``: loadable by z-lab's code (transformers 4.x) and by 5.x."""
+        """The z-lab ``config.json``: loadable by z-lab's code (transformers 4.x) and by 5.x, with
+        every field that was read kept where it was (``auto_map`` aside: it names remote code that
+        is not shipped with an export)."""
         out = self.qwen3.to_dict()
         for noisy in ("transformers_version", "_name_or_path", "dtype", "id2label", "label2id", "problem_type",
                       "chunk_size_feed_forward", "is_encoder_decoder", "output_attentions", "output_hidden_states",
@@ -138,21 +275,28 @@ class DrafterConfig:
         scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
         out["rope_scaling"] = None if scaling.get("rope_type", "default") == "default" else scaling
         out.update(self.extra)
+        if self.sliding_window is not None:
+            out["sliding_window"] = self.sliding_window
+        if self.is_causal is not None:
+            out["is_causal"] = self.is_causal
         out["architectures"] = [ARCHITECTURE]
         out["model_type"] = "qwen3"
         out["block_size"] = self.block_size
         out["num_target_layers"] = self.num_target_layers
-        dflash: dict[str, Any] = {
+        dflash: dict[str, Any] = dict(self.dflash_extra)
+        dflash.update({
             "block_size": self.block_size,
             "mask_token_id": self.mask_token_id,
             "target_layer_ids": list(self.target_layer_ids),
-        }
-        if self.input_embedding_scale != 1.0:
+        })
+        if self.input_embedding_scale != 1.0 or "input_embedding_scale" in self.nested:
             dflash["input_embedding_scale"] = self.input_embedding_scale
-        if self.output_multiplier != 1.0:
+        if self.output_multiplier != 1.0 or "output_multiplier" in self.nested:
             dflash["output_multiplier"] = self.output_multiplier
-        if self.final_logit_softcapping:
+        if self.final_logit_softcapping or "final_logit_softcapping" in self.nested:
             dflash["final_logit_softcapping"] = self.final_logit_softcapping
+        if "num_target_layers" in self.nested:
+            dflash["num_target_layers"] = self.num_target_layers
         out["dflash_config"] = dflash
         return out
 
@@ -166,8 +310,12 @@ class DrafterConfig:
         target_layer_ids: list[int] | None = None,
         intermediate_size: int | None = None,
         attention_bias: bool = False,
+        layer_types: list[str] | None = None,
+        sliding_window: int | None = None,
+        is_causal: bool | None = None,
     ) -> "DrafterConfig":
-        """A drafter shaped like ``target_config`` (hidden size, heads, RoPE, vocabulary)."""
+        """A drafter shaped like ``target_config`` (hidden size, heads, RoPE, vocabulary);
+        full-attention layers unless ``layer_types`` / ``sliding_window`` / ``is_causal`` say otherwise."""
         text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
         num_target_layers = int(text.num_hidden_layers)
         layer_ids = target_layer_ids or default_target_layer_ids(num_target_layers, num_layers)
@@ -186,6 +334,7 @@ class DrafterConfig:
             rope_parameters=rope,
             tie_word_embeddings=False,
             attention_bias=attention_bias,
+            layer_types=layer_types,
         )
         return cls(
             qwen3=qwen3,
@@ -193,6 +342,8 @@ class DrafterConfig:
             mask_token_id=mask_token_id,
             target_layer_ids=list(layer_ids),
             num_target_layers=num_target_layers,
+            sliding_window=sliding_window,
+            is_causal=is_causal,
         )
 
 
@@ -243,24 +394,58 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class DrafterCache:
-    """Context K/V per drafter layer, already normalised and rotated. Blocks are never cached:
-    each cycle's block K/V is recomputed, so rolling back after verification costs nothing."""
+    """Context K/V per drafter layer, already normalised and rotated, with their absolute
+    positions. Blocks are never cached: each cycle's block K/V is recomputed, so rolling back
+    after verification costs nothing. A sliding-window layer drops the context its window can no
+    longer reach (block positions only grow from one cycle to the next), so its cache and its
+    attention stay within ``sliding_window`` positions however long the context grows."""
 
-    def __init__(self, num_layers: int) -> None:
+    def __init__(self, num_layers: int, windows: list[int | None] | None = None,
+                 track_positions: list[bool] | None = None) -> None:
         self.keys: list[torch.Tensor | None] = [None] * num_layers
         self.values: list[torch.Tensor | None] = [None] * num_layers
+        # (K,) absolute positions of the cached keys, kept for the layers whose mask needs them
+        self.positions: list[torch.Tensor | None] = [None] * num_layers
+        self.windows = list(windows) if windows is not None else [None] * num_layers
+        self.track = list(track_positions) if track_positions is not None else [w is not None for w in self.windows]
+        self.seen = [0] * num_layers  # context positions appended so far, dropped ones included
+        self.floor = [None] * num_layers  # lowest query position served since keys were dropped
 
     @property
     def length(self) -> int:
-        k = self.keys[0]
-        return 0 if k is None else k.shape[2]
+        """How many context positions the cache has been given (layer 0)."""
+        return self.seen[0]
 
-    def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor,
+               positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         old_k, old_v = self.keys[layer], self.values[layer]
+        count = k.shape[2]
+        if self.track[layer]:
+            if positions is None:
+                positions = torch.arange(self.seen[layer], self.seen[layer] + count, device=k.device)
+            if self.positions[layer] is not None:
+                positions = torch.cat((self.positions[layer], positions.to(self.positions[layer].device)))
+            self.positions[layer] = positions
         if old_k is not None:
             k, v = torch.cat((old_k, k), dim=2), torch.cat((old_v, v), dim=2)
         self.keys[layer], self.values[layer] = k, v
+        self.seen[layer] += count
         return k, v
+
+    def trim(self, layer: int, first_query: int) -> None:
+        """Drop what a sliding window can no longer reach from ``first_query`` or any later query."""
+        window, floor = self.windows[layer], self.floor[layer]
+        if floor is not None and first_query < floor:
+            raise RuntimeError(f"drafter cache: a block at position {first_query} after one at {floor}; the sliding "
+                               "window has dropped the context it would need (start a new cache)")
+        if window is None or self.positions[layer] is None:
+            return
+        keep = self.positions[layer] > first_query - window
+        if not bool(keep.all()):
+            self.keys[layer] = self.keys[layer][:, :, keep]
+            self.values[layer] = self.values[layer][:, :, keep]
+            self.positions[layer] = self.positions[layer][keep]
+            self.floor[layer] = first_query
 
 
 @dataclass
@@ -269,13 +454,16 @@ class BlockLayout:
     ``block_size`` slots per sequence, block ``a`` anchored at ``anchors[:, a]``. A block sees the
     context strictly before its anchor and its own slots, never another block — exactly
     ``training.objective.training_mask`` — but attention is computed block-wise, so its cost
-    grows with ``A * B * (T + B)`` instead of ``A * B * (T + A * B)``."""
+    grows with ``A * B * (T + B)`` instead of ``A * B * (T + A * B)``. The context holds
+    positions ``0..T-1`` and slot ``k`` of a block sits at its anchor + ``k``; a sliding-window or
+    causal layer narrows what each slot sees accordingly (``LayerAttention``)."""
 
     anchors: torch.Tensor  # (N, A) absolute anchor positions
     block_size: int
 
 
-def _blockwise_attention(q, k_ctx, v_ctx, k_blk, v_blk, layout: BlockLayout) -> torch.Tensor:
+def _blockwise_attention(q, k_ctx, v_ctx, k_blk, v_blk, layout: BlockLayout,
+                         spec: "LayerAttention | None" = None) -> torch.Tensor:
     """q: (N, H, A*B, D); k/v_ctx: (N, KV, T, D); k/v_blk: (N, KV, A*B, D) -> (N, H, A*B, D)."""
     n, h, q_len, d = q.shape
     kv = k_blk.shape[1]
@@ -286,9 +474,23 @@ def _blockwise_attention(q, k_ctx, v_ctx, k_blk, v_blk, layout: BlockLayout) -> 
     scale = d**-0.5
     qg = q.view(n, kv, g, a, b, d) * scale
     scores_ctx = torch.matmul(qg.reshape(n, kv, g * a * b, d), k_ctx.transpose(-1, -2)).view(n, kv, g, a, b, t)
-    hidden = torch.arange(t, device=q.device)[None, None, :] >= layout.anchors[:, :, None]  # (N, A, T)
-    scores_ctx = scores_ctx.masked_fill(hidden[:, None, None, :, None, :], float("-inf"))
+    ctx_pos = torch.arange(t, device=q.device)
+    hidden = ctx_pos[None, None, None, :] >= layout.anchors[:, :, None, None]  # (N, A, 1, T)
+    window = spec.sliding_window if spec is not None else None
+    if window is not None:
+        slot_pos = layout.anchors[:, :, None] + torch.arange(b, device=q.device)  # (N, A, B)
+        hidden = hidden | (slot_pos[..., None] - ctx_pos >= window)  # (N, A, B, T)
+    scores_ctx = scores_ctx.masked_fill(hidden[:, None, None], float("-inf"))
     scores_blk = torch.matmul(qg, k_blk.view(n, kv, 1, a, b, d).transpose(-1, -2))  # (N, KV, G, A, B, B)
+    if spec is not None and not spec.plain:
+        slots = torch.arange(b, device=q.device)
+        offset = slots[:, None] - slots[None, :]  # query slot - key slot
+        blocked = torch.zeros(b, b, dtype=torch.bool, device=q.device)
+        if spec.causal:
+            blocked |= offset < 0
+        if window is not None:
+            blocked |= offset.abs() >= window
+        scores_blk = scores_blk.masked_fill(blocked, float("-inf"))
     probs = torch.softmax(torch.cat((scores_ctx, scores_blk), dim=-1).float(), dim=-1).to(q.dtype)
     p_ctx, p_blk = probs.split((t, b), dim=-1)
     out = torch.matmul(p_ctx.reshape(n, kv, g * a * b, t), v_ctx).view(n, kv, g, a, b, d)
@@ -296,10 +498,25 @@ def _blockwise_attention(q, k_ctx, v_ctx, k_blk, v_blk, layout: BlockLayout) -> 
     return out.view(n, h, q_len, d)
 
 
+def layer_mask(spec: LayerAttention, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor | None:
+    """(N, 1, Q, K) bool, True where a query at ``q_pos`` may see a key at ``k_pos`` under
+    ``spec`` (None for a plain layer: it sees everything it is given)."""
+    if spec.plain:
+        return None
+    offset = q_pos[:, :, None] - k_pos[:, None, :]  # (N, Q, K): query position - key position
+    allowed = torch.ones(offset.shape, dtype=torch.bool, device=offset.device)
+    if spec.causal:
+        allowed &= offset >= 0
+    if spec.sliding_window is not None:
+        allowed &= offset.abs() < spec.sliding_window
+    return allowed[:, None]
+
+
 class DrafterAttention(nn.Module):
-    def __init__(self, config: DrafterConfig) -> None:
+    def __init__(self, config: DrafterConfig, spec: LayerAttention | None = None) -> None:
         super().__init__()
         q = config.qwen3
+        self.spec = spec or LayerAttention()
         self.num_heads = q.num_attention_heads
         self.num_kv_heads = q.num_key_value_heads
         self.head_dim = config.head_dim
@@ -326,22 +543,27 @@ class DrafterAttention(nn.Module):
         mask: torch.Tensor | None,  # bool (Q, K_total) or broadcastable; True = may attend
         cache: DrafterCache | None,
         layer_index: int,
+        positions: tuple | None = None,  # (N, Q) block, (N, C) context or None, first block position (int)
     ) -> torch.Tensor:
         n, qlen, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(n, qlen, self.num_heads, self.head_dim)).transpose(1, 2)
         q = apply_rope(q, *rope_block)
         k_blk, v_blk = self._kv(x, *rope_block)
+        block_pos, ctx_pos, first_query = positions if positions is not None else (None, None, None)
         if context is not None and context.shape[1] > 0:
             k_ctx, v_ctx = self._kv(context, *rope_context)
         else:
             k_ctx = v_ctx = None
         if cache is not None:
             if k_ctx is not None:
-                k_ctx, v_ctx = cache.extend(layer_index, k_ctx, v_ctx)
-            else:
-                k_ctx, v_ctx = cache.keys[layer_index], cache.values[layer_index]
+                k_ctx, v_ctx = cache.extend(layer_index, k_ctx, v_ctx, None if ctx_pos is None else ctx_pos[0])
+            if self.spec.sliding_window is not None and first_query is not None:
+                cache.trim(layer_index, first_query)
+            k_ctx, v_ctx = cache.keys[layer_index], cache.values[layer_index]
+            if cache.positions[layer_index] is not None:
+                ctx_pos = cache.positions[layer_index][None]
         if isinstance(mask, BlockLayout):
-            out = _blockwise_attention(q, k_ctx, v_ctx, k_blk, v_blk, mask)
+            out = _blockwise_attention(q, k_ctx, v_ctx, k_blk, v_blk, mask, self.spec)
             return self.o_proj(out.transpose(1, 2).reshape(n, qlen, -1))
         if k_ctx is not None:
             k, v = torch.cat((k_ctx, k_blk), dim=2), torch.cat((v_ctx, v_blk), dim=2)
@@ -349,6 +571,12 @@ class DrafterAttention(nn.Module):
             k, v = k_blk, v_blk
         if mask is not None and mask.dim() == 2:
             mask = mask[None, None]
+        if not self.spec.plain:
+            if block_pos is None or (k_ctx is not None and ctx_pos is None):
+                raise ValueError("a sliding-window or causal drafter layer needs the block and context positions")
+            k_pos = block_pos if k_ctx is None else torch.cat((ctx_pos.expand(n, -1), block_pos.expand(n, -1)), dim=1)
+            own = layer_mask(self.spec, block_pos.expand(n, -1), k_pos)
+            mask = own if mask is None else (mask & own)
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, enable_gqa=self.num_kv_heads != self.num_heads
         )  # (N, heads, Q, D)
@@ -367,18 +595,19 @@ class DrafterMLP(nn.Module):
 
 
 class DrafterLayer(nn.Module):
-    def __init__(self, config: DrafterConfig) -> None:
+    def __init__(self, config: DrafterConfig, spec: LayerAttention | None = None) -> None:
         super().__init__()
         q = config.qwen3
-        self.self_attn = DrafterAttention(config)
+        self.self_attn = DrafterAttention(config, spec)
         self.mlp = DrafterMLP(q.hidden_size, q.intermediate_size)
         self.input_layernorm = RMSNorm(q.hidden_size, q.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(q.hidden_size, q.rms_norm_eps)
 
-    def forward(self, x, context, rope_block, rope_context, mask, cache, layer_index):  # noqa: ANN001, D102
+    def forward(self, x, context, rope_block, rope_context, mask, cache, layer_index, positions=None):  # noqa: ANN001, D102
         # As in z-lab's layer: the context is *not* normalised by input_layernorm (hidden_norm
         # already did that once for all layers).
-        x = x + self.self_attn(self.input_layernorm(x), context, rope_block, rope_context, mask, cache, layer_index)
+        x = x + self.self_attn(self.input_layernorm(x), context, rope_block, rope_context, mask, cache, layer_index,
+                               positions)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -389,10 +618,8 @@ class DFlashDrafter(nn.Module):
         super().__init__()
         self.config = config
         q = config.qwen3
-        layer_types = getattr(q, "layer_types", None) or ["full_attention"] * q.num_hidden_layers
-        if any(t != "full_attention" for t in layer_types[: q.num_hidden_layers]):
-            raise ModelLoadError("drafters with sliding-window layers are not supported yet (layer_types)")
-        self.layers = nn.ModuleList(DrafterLayer(config) for _ in range(q.num_hidden_layers))
+        self.layer_specs = [config.layer_attention(i) for i in range(q.num_hidden_layers)]
+        self.layers = nn.ModuleList(DrafterLayer(config, spec) for spec in self.layer_specs)
         self.fc = nn.Linear(len(config.target_layer_ids) * q.hidden_size, q.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(q.hidden_size, q.rms_norm_eps)
         self.norm = RMSNorm(q.hidden_size, q.rms_norm_eps)
@@ -449,7 +676,8 @@ class DFlashDrafter(nn.Module):
         return self.config.target_layer_ids
 
     def new_cache(self) -> DrafterCache:
-        return DrafterCache(len(self.layers))
+        return DrafterCache(len(self.layers), [spec.sliding_window for spec in self.layer_specs],
+                            [not spec.plain for spec in self.layer_specs])
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """(…, T, len(ids)*H) concatenated target features -> (…, T, H) drafter context."""
@@ -467,14 +695,20 @@ class DFlashDrafter(nn.Module):
         """Hidden states for every block slot, after the final norm: (N, Q, H)."""
         dtype = noise_embedding.dtype
         x = noise_embedding * self.config.input_embedding_scale if self.config.input_embedding_scale != 1.0 else noise_embedding
-        rope_block = self.rotary(block_positions if block_positions.dim() == 2 else block_positions[None], dtype)
-        context = rope_context = None
+        block_pos = block_positions if block_positions.dim() == 2 else block_positions[None]
+        rope_block = self.rotary(block_pos, dtype)
+        context = rope_context = ctx_pos = None
         if context_features is not None and context_features.shape[-2] > 0:
             context = self.fuse(context_features.to(dtype))
-            pos = context_positions if context_positions.dim() == 2 else context_positions[None]
-            rope_context = self.rotary(pos, dtype)
+            ctx_pos = context_positions if context_positions.dim() == 2 else context_positions[None]
+            rope_context = self.rotary(ctx_pos, dtype)
+        # Where the block starts, for the sliding-window caches to drop what no later block can see
+        # (read once per call, and only for drafters that have such layers: it waits for the device).
+        windowed = cache is not None and any(spec.sliding_window is not None for spec in self.layer_specs)
+        first_query = int(block_pos.min()) if windowed else None
+        positions = (block_pos, ctx_pos, first_query)
         for i, layer in enumerate(self.layers):
-            x = layer(x, context, rope_block, rope_context, mask, cache, i)
+            x = layer(x, context, rope_block, rope_context, mask, cache, i, positions)
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
@@ -606,6 +840,7 @@ __all__ = [
     "DFlashDrafter",
     "DrafterCache",
     "DrafterConfig",
+    "LayerAttention",
     "default_target_layer_ids",
     "init_drafter_weights",
     "count_parameters",

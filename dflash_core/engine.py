@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator
 from .errors import SettingsError
 from .loading import LoadedPair, Progress, load_pair
 from .lookup import LookupStats
-from .prompting import check_fits_context, encode_prompt, max_new_tokens_limit, stop_token_ids
+from .prompting import check_fits_context, encode_prompt, has_thinking_switch, max_new_tokens_limit, stop_token_ids
 from .registry import load_registry
 from .speculative import CycleEvent, GenerationConfig, GenerationResult, collect, measure_tree_costs, measure_verify_costs, stream
 
@@ -55,8 +55,27 @@ class Engine:
     def context_length(self) -> int:
         return self.target.runner.max_positions
 
-    def prepare(self, prompt: str, config: GenerationConfig, mode: str = "dflash", raw: bool = False) -> tuple[list[int], GenerationConfig]:
-        """Prompt ids and the validated config for a request, or a clear ``DFlashError``."""
+    @property
+    def thinking_switch(self) -> bool:
+        """Whether this target's chat template has a thinking switch (``enable_thinking``)."""
+        return has_thinking_switch(self.tokenizer)
+
+    def thinking(self, enable_thinking: bool | None = None, raw: bool = False) -> bool | None:
+        """The thinking choice a request gets: its own ``enable_thinking`` when given, else the
+        pair's (``models.toml``; what the drafter was trained with), else None (the template's
+        default). A raw prompt has no template, so the pair's choice does not apply to it."""
+        if enable_thinking is not None or raw:
+            return enable_thinking
+        if self.pair.enable_thinking is not None and not self.thinking_switch:
+            raise SettingsError(f"pair {self.pair.name!r} sets enable_thinking, but its target's chat template has "
+                                "no thinking switch: remove enable_thinking from the pair in models.toml")
+        return self.pair.enable_thinking
+
+    def prepare(self, prompt: str, config: GenerationConfig, mode: str = "dflash", raw: bool = False,
+                enable_thinking: bool | None = None) -> tuple[list[int], GenerationConfig]:
+        """Prompt ids and the validated config for a request, or a clear ``DFlashError``.
+        ``enable_thinking``: True/False turns the chat template's thinking mode on/off for this
+        request; None uses the pair's setting (see ``thinking``)."""
         if mode not in MODES:
             raise SettingsError(f"mode = {mode!r}; allowed: {', '.join(MODES)}")
         if config.block_size is None and self.pair.block_size:
@@ -67,7 +86,7 @@ class Engine:
         elif (config.tree or config.lookup) and not hasattr(self.target.runner, "forward_tree"):
             raise SettingsError(f"tree = true and lookup = true need the fast target runner; this target runs on "
                                 f"{type(self.target.runner).__name__} (use tree = false, lookup = false)")
-        ids = encode_prompt(self.tokenizer, prompt, raw=raw)
+        ids = encode_prompt(self.tokenizer, prompt, raw=raw, enable_thinking=self.thinking(enable_thinking, raw))
         check_fits_context(len(ids), config.max_new_tokens, self.context_length)
         return ids, config
 
@@ -78,8 +97,9 @@ class Engine:
         mode: str = "dflash",
         raw: bool = False,
         should_stop: Callable[[], bool] | None = None,
+        enable_thinking: bool | None = None,
     ) -> Iterator[CycleEvent]:
-        ids, config = self.prepare(prompt, config, mode, raw)
+        ids, config = self.prepare(prompt, config, mode, raw, enable_thinking)
         return self.stream_ids(ids, config, should_stop)
 
     def stream_ids(
@@ -129,8 +149,9 @@ class Engine:
             self._tree_costs = measure_tree_costs(self.target.runner, self.drafter.block_size)
         return self._tree_costs
 
-    def generate(self, prompt: str, config: GenerationConfig, mode: str = "dflash", raw: bool = False) -> GenerationResult:
-        return collect(self.stream(prompt, config, mode, raw))
+    def generate(self, prompt: str, config: GenerationConfig, mode: str = "dflash", raw: bool = False,
+                 enable_thinking: bool | None = None) -> GenerationResult:
+        return collect(self.stream(prompt, config, mode, raw, enable_thinking=enable_thinking))
 
     def decode(self, token_ids: list[int], skip_special: bool = True) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special)
@@ -152,4 +173,6 @@ class Engine:
             "block_size": self.max_block_size,
             "dtype": self.pair.dtype,
             "runner": type(self.target.runner).__name__,
+            "enable_thinking": self.pair.enable_thinking,
+            "thinking_switch": self.thinking_switch,
         }

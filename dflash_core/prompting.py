@@ -1,6 +1,9 @@
 """From user text to prompt token ids, with the checks every front end shares.
 
 A prompt becomes a user message in the target's chat template unless ``raw`` is asked for.
+``enable_thinking`` (True/False) is handed to a template that has that switch (Qwen3-style); None
+leaves the template's own default. A template without the switch refuses an explicit value rather
+than ignore it silently.
 Limits for public deployments come from the environment:
 
 * ``DFLASH_MAX_PROMPT_CHARS`` (default 32,000) — longest prompt text accepted;
@@ -58,14 +61,41 @@ def check_prompt_text(prompt: Any) -> str:
     return prompt
 
 
-def encode_prompt(tokenizer: Any, prompt: str, raw: bool = False, system: str | None = None) -> list[int]:
-    """Token ids for ``prompt``: a chat-templated user message, or the text as is (``raw``)."""
+def has_thinking_switch(tokenizer: Any) -> bool:
+    """Whether the tokenizer's chat template reads ``enable_thinking`` (Qwen3-style thinking mode)."""
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):  # named templates
+        template = " ".join(str(t) for t in template.values())
+    return "enable_thinking" in str(template or "")
+
+
+def thinking_kwargs(tokenizer: Any, enable_thinking: bool | None) -> dict[str, Any]:
+    """The ``apply_chat_template`` keyword arguments for a thinking choice (None: none at all)."""
+    if enable_thinking is None:
+        return {}
+    if not isinstance(enable_thinking, bool):
+        raise SettingsError(f"enable_thinking = {enable_thinking!r}; allowed: true, false, or leave it unset")
+    if not has_thinking_switch(tokenizer):
+        raise SettingsError("this target's chat template has no thinking switch (enable_thinking): leave thinking "
+                            "unset for it")
+    return {"enable_thinking": enable_thinking}
+
+
+def encode_prompt(
+    tokenizer: Any, prompt: str, raw: bool = False, system: str | None = None, enable_thinking: bool | None = None
+) -> list[int]:
+    """Token ids for ``prompt``: a chat-templated user message, or the text as is (``raw``).
+    ``enable_thinking``: the template's thinking switch (None: the template's default)."""
     prompt = check_prompt_text(prompt)
     if raw or not getattr(tokenizer, "chat_template", None):
+        if enable_thinking is not None:
+            raise SettingsError("thinking on/off applies to chat-templated prompts; this prompt is used as is "
+                                "(raw, or a target without a chat template): leave thinking unset")
         ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
     else:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                            **thinking_kwargs(tokenizer, enable_thinking))
         if hasattr(ids, "keys"):
             ids = ids["input_ids"]
     ids = list(ids)

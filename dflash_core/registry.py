@@ -42,6 +42,9 @@ PAIR_KEYS = {
     "drafter_device": "cpu | cuda | cuda:N",
     "quantization": " | ".join(QUANTIZATIONS) + " (target only, bitsandbytes)",
     "engine": "auto | fast | hf (auto: our static-cache engine when the target's family allows it)",
+    "enable_thinking": "true | false: the chat template's thinking switch (default: the template's own); "
+                       "set it to what the drafter was trained with",
+    "gpu_memory_gb": "number > 0: GPU memory the pair needs, in GiB (target + drafter weights and working memory)",
 }
 SOURCE_KEYS = {"hub", "revision", "path", "package", "gguf_file", "random", "layers", "seed"}
 ENGINES = ("auto", "fast", "hf")
@@ -80,6 +83,11 @@ class ModelPair:
     drafter_device: str
     quantization: str | None
     engine: str
+    # The chat template's thinking switch for this pair (None: the template's own default). A
+    # drafter only drafts well for the kind of text it was trained on, so this is what the drafter
+    # was trained with (z-lab's Qwen3 b16 drafters: no thinking).
+    enable_thinking: bool | None = None
+    gpu_memory_gb: float | None = None  # what the pair needs on the GPU(s), for refusing where it cannot fit
 
     @property
     def needs_cuda(self) -> bool:
@@ -181,6 +189,16 @@ def _parse_pair(name: str, entry: Any, file: Path) -> ModelPair:
     if not isinstance(description, str):
         raise RegistryError(f"{where}: description must be a string")
 
+    enable_thinking = entry.get("enable_thinking")
+    if enable_thinking is not None and not isinstance(enable_thinking, bool):
+        raise RegistryError(f"{where}: enable_thinking = {enable_thinking!r}; expected true or false (or leave it out)")
+
+    gpu_memory_gb = entry.get("gpu_memory_gb")
+    if gpu_memory_gb is not None and (
+        isinstance(gpu_memory_gb, bool) or not isinstance(gpu_memory_gb, (int, float)) or not gpu_memory_gb > 0
+    ):
+        raise RegistryError(f"{where}: gpu_memory_gb = {gpu_memory_gb!r}; expected a number of GiB > 0")
+
     return ModelPair(
         name=name,
         description=description,
@@ -192,6 +210,8 @@ def _parse_pair(name: str, entry: Any, file: Path) -> ModelPair:
         drafter_device=drafter_device,
         quantization=quantization,
         engine=engine,
+        enable_thinking=enable_thinking,
+        gpu_memory_gb=float(gpu_memory_gb) if gpu_memory_gb is not None else None,
     )
 
 
@@ -255,3 +275,35 @@ def _parse_source(spec: Any, where: str, base: Path, allow_random: bool) -> Mode
     if not isinstance(seed, int):
         raise RegistryError(f"{where}: seed = {seed!r}; expected an integer")
     return ModelSource("random", random_layers=layers, random_seed=seed)
+
+
+def local_gpu_memory_gb() -> list[float]:
+    """Total memory of each CUDA GPU of this machine, in GiB (empty without CUDA)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return []
+    return [torch.cuda.get_device_properties(i).total_memory / 2**30 for i in range(torch.cuda.device_count())]
+
+
+def memory_problem(pair: ModelPair, gpu_memory_gb: list[float]) -> str | None:
+    """Why ``pair`` cannot fit in the GPU memory ``gpu_memory_gb`` lists (GiB per GPU), or None.
+
+    A target on ``auto`` may use every GPU; otherwise the pair gets the GPUs its devices name."""
+    need = pair.gpu_memory_gb
+    if need is None or not pair.needs_cuda:
+        return None
+    if not gpu_memory_gb:
+        return f"needs about {need:g} GiB of GPU memory and this machine has no CUDA GPU"
+    if pair.target_device == "auto":
+        indices = set(range(len(gpu_memory_gb)))
+    else:
+        indices = {0 if d == "cuda" else int(d.removeprefix("cuda:"))
+                   for d in (pair.target_device, pair.drafter_device) if d.startswith("cuda")}
+    have = sum(gpu_memory_gb[i] for i in indices if i < len(gpu_memory_gb))
+    if need > have:
+        where = f"its {len(indices)} GPUs here hold" if len(indices) > 1 else "its GPU here holds"
+        more = (f" (all {len(gpu_memory_gb)} GPUs hold {sum(gpu_memory_gb):.0f} GiB)"
+                if pair.target_device != "auto" and len(gpu_memory_gb) > 1 else "")
+        return f"needs about {need:g} GiB of GPU memory; {where} {have:.0f} GiB{more}"
+    return None

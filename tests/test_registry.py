@@ -75,3 +75,88 @@ def test_unknown_pair_names_list_the_known_ones(tmp_path):
 def test_missing_registry_file_is_refused(tmp_path):
     with pytest.raises(RegistryError, match="does not exist"):
         load_registry(tmp_path / "absent.toml")
+
+
+# Every drafter z-lab/dflash's README lists, with the target its model card names.
+Z_LAB_DRAFTERS = {
+    "z-lab/Qwen3.5-4B-DFlash": "Qwen/Qwen3.5-4B",
+    "z-lab/Qwen3.5-9B-DFlash": "Qwen/Qwen3.5-9B",
+    "z-lab/Qwen3.5-27B-DFlash": "Qwen/Qwen3.5-27B",
+    "z-lab/Qwen3.5-35B-A3B-DFlash": "Qwen/Qwen3.5-35B-A3B",
+    "z-lab/Qwen3.5-122B-A10B-DFlash": "Qwen/Qwen3.5-122B-A10B",
+    "z-lab/Qwen3.6-27B-DFlash": "Qwen/Qwen3.6-27B",
+    "z-lab/Qwen3.6-35B-A3B-DFlash": "Qwen/Qwen3.6-35B-A3B",
+    "z-lab/Qwen3-Coder-30B-A3B-DFlash": "Qwen/Qwen3-Coder-30B-A3B-Instruct",
+    "z-lab/Qwen3-Coder-Next-DFlash": "Qwen/Qwen3-Coder-Next",
+    "z-lab/gpt-oss-20b-DFlash": "openai/gpt-oss-20b",
+    "z-lab/gpt-oss-120b-DFlash": "openai/gpt-oss-120b",
+    "z-lab/Kimi-K2.5-DFlash": "moonshotai/Kimi-K2.5",
+    "z-lab/Qwen3-4B-DFlash-b16": "Qwen/Qwen3-4B",
+    "z-lab/Qwen3-8B-DFlash-b16": "Qwen/Qwen3-8B",
+    "z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat": "meta-llama/Llama-3.1-8B-Instruct",
+}
+
+
+def test_the_registry_lists_every_z_lab_drafter_with_its_target_memory_and_thinking():
+    registry = load_registry()
+    listed = {(p.drafter.location, p.target.location) for p in registry.pairs.values() if p.drafter.kind == "hub"}
+    assert set(Z_LAB_DRAFTERS.items()) <= listed
+    for pair in registry.pairs.values():
+        if pair.needs_cuda:
+            assert pair.gpu_memory_gb and pair.gpu_memory_gb > 0, pair.name
+            assert pair.dtype == "bfloat16"
+    for name in ("qwen3-4b", "qwen3-8b", "qwen3-8b-4bit"):
+        assert registry.get(name).enable_thinking is False  # z-lab's b16 drafters: trained without thinking
+    assert registry.get("qwen35-27b").enable_thinking is True
+    assert registry.get("smollm2-135m").enable_thinking is None  # SmolLM2's template has no switch
+    assert registry.get("qwen3-8b-4bit").gpu_memory_gb < registry.get("qwen3-8b").gpu_memory_gb
+    # Pairs that outgrow one 141 GB GPU spread the target over every GPU.
+    for name in ("qwen35-122b-a10b", "gpt-oss-120b", "qwen3-coder-next", "kimi-k25"):
+        assert registry.get(name).target_device == "auto" and registry.get(name).gpu_memory_gb > 140
+
+
+@pytest.mark.parametrize("text, message", [
+    (GOOD_PAIR + "gpu_memory_gb = 0\n", "gpu_memory_gb = 0; expected a number of GiB > 0"),
+    (GOOD_PAIR + "gpu_memory_gb = 'lots'\n", "gpu_memory_gb = 'lots'"),
+    (GOOD_PAIR + "enable_thinking = 1\n", "enable_thinking = 1; expected true or false"),
+    (GOOD_PAIR + "thinking = true\n", r"unknown key\(s\) \['thinking'\]"),
+])
+def test_new_keys_are_checked_and_unknown_keys_stay_errors(tmp_path, text, message):
+    file = tmp_path / "models.toml"
+    file.write_text(text)
+    with pytest.raises(RegistryError, match=message):
+        load_registry(file)
+
+
+def test_memory_problem_compares_the_estimate_with_the_gpus(tmp_path):
+    from dflash_core.registry import memory_problem
+
+    file = tmp_path / "models.toml"
+    file.write_text(GOOD_PAIR + 'device = "cuda"\ngpu_memory_gb = 67\n'
+                    '[pairs.big]\ntarget = { hub = "a/b" }\ndrafter = { path = "d" }\ndevice = "cuda"\n'
+                    'target_device = "auto"\ngpu_memory_gb = 275\n'
+                    '[pairs.cpu]\ntarget = { hub = "a/b" }\ndrafter = { path = "d" }\ngpu_memory_gb = 5\n')
+    registry = load_registry(file)
+    one, big, cpu = registry.get("p"), registry.get("big"), registry.get("cpu")
+    assert memory_problem(one, [139.8]) is None
+    assert memory_problem(one, [24.0]) == "needs about 67 GiB of GPU memory; its GPU here holds 24 GiB"
+    assert "no CUDA GPU" in memory_problem(one, [])
+    assert "needs about 275 GiB" in memory_problem(big, [139.8])
+    assert memory_problem(big, [139.8, 139.8]) is None  # auto: the target spreads over both
+    assert "all 2 GPUs hold 80 GiB" in memory_problem(one, [40.0, 40.0])
+    assert memory_problem(cpu, []) is None  # a CPU pair needs no GPU
+
+
+def test_pairs_says_what_a_gpu_pair_would_need(capsys):
+    import json
+
+    from dflash_core import cli
+    from dflash_core.registry import local_gpu_memory_gb
+
+    assert cli.main(["pairs", "--json"]) == 0
+    rows = {row["name"]: row for row in json.loads(capsys.readouterr().out)["pairs"]}
+    assert rows["kimi-k25"]["gpu_memory_gb"] > 2000 and not rows["kimi-k25"]["runnable"]
+    assert rows["qwen3-8b"]["enable_thinking"] is False
+    if not local_gpu_memory_gb():
+        assert "needs CUDA" in rows["qwen35-27b"]["reason"] and "about 67 GiB" in rows["qwen35-27b"]["reason"]
+    assert rows["smollm2-135m"]["runnable"]

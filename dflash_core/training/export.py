@@ -1,4 +1,8 @@
-"""Export a trained drafter in the z-lab DFlash format, with a model card."""
+"""Export a trained drafter in the z-lab DFlash format, with a model card.
+
+``config.json`` is ``DrafterConfig.to_dict``: every field the drafter was loaded from (schema,
+sliding windows, causality, extra ``dflash_config`` keys, RoPE) is written back where it was read,
+``auto_map`` aside (it names remote code an export does not ship)."""
 
 from __future__ import annotations
 
@@ -10,6 +14,14 @@ import torch
 
 from ..drafter import DFlashDrafter, count_parameters
 from ..hardware import hardware_summary
+
+
+def attention_summary(drafter: DFlashDrafter) -> str:
+    """What each layer's block attends to, in a few words (full / sliding window W / causal)."""
+    specs = [spec.describe() for spec in drafter.layer_specs]
+    if len(set(specs)) == 1:
+        return f"{specs[0]} (every layer)"
+    return "; ".join(f"layer {i}: {spec}" for i, spec in enumerate(specs))
 
 
 def model_card(drafter: DFlashDrafter, info: dict[str, Any]) -> str:
@@ -33,6 +45,8 @@ def model_card(drafter: DFlashDrafter, info: dict[str, Any]) -> str:
         f"| drafter layers | {len(drafter.layers)} ({count_parameters(drafter) / 1e6:.1f} M parameters) |",
         f"| target layers used | {cfg.target_layer_ids} |",
         f"| block size | {cfg.block_size} |",
+        f"| attention | {attention_summary(drafter)} |",
+        f"| RoPE | {cfg.qwen3.rope_parameters or {}} |",
         f"| mask token id | {cfg.mask_token_id} |",
         f"| draft vocabulary | {info.get('draft_vocabulary', 'the whole vocabulary')} |",
         f"| training data | {info.get('data', '?')} |",

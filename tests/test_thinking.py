@@ -1,0 +1,147 @@
+"""Thinking mode: the pair's ``enable_thinking`` (models.toml), a request's own choice through
+``Engine.prepare`` / ``stream`` and the CLI's ``--thinking/--no-thinking``, all reaching the chat
+template. The tokenizer is built here (no downloads): 96 ids, one per character plus the chat
+specials, with a Qwen3-style template that writes an empty think block when thinking is off."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import tiny_target
+from dflash_core import cli
+from dflash_core.engine import Engine
+from dflash_core.errors import RegistryError, SettingsError
+from dflash_core.prompting import encode_prompt, has_thinking_switch
+from dflash_core.registry import load_registry
+
+SPECIALS = ["<pad>", "<s>", "<|im_end|>", "<mask>", "<|im_start|>", "<think>", "</think>", "<unk>"]
+CHARS = "\n !',-.:?0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+# Qwen3's convention: thinking is on unless enable_thinking is false, which pre-fills an empty
+# think block.
+QWEN3_STYLE_TEMPLATE = (
+    "{%- for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor -%}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}"
+    "{%- endif %}"
+)
+PLAIN_TEMPLATE = (
+    "{%- for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor -%}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def tiny_chat_tokenizer(template: str = QWEN3_STYLE_TEMPLATE):
+    """A character-level fast tokenizer whose ids fit the tiny targets' vocabulary of 96."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + list(CHARS))}
+    assert len(vocab) <= 96
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="<|im_end|>", pad_token="<pad>",
+                                   unk_token="<unk>", mask_token="<mask>",
+                                   additional_special_tokens=["<|im_start|>", "<think>", "</think>"])
+    fast.chat_template = template
+    return fast
+
+
+def empty_think_block(tokenizer) -> list[int]:
+    return tokenizer.encode("<think>\n\n</think>\n\n", add_special_tokens=False)
+
+
+def contains(ids: list[int], part: list[int]) -> bool:
+    return any(ids[i : i + len(part)] == part for i in range(len(ids) - len(part) + 1))
+
+
+def test_the_template_gets_enable_thinking_only_when_asked():
+    tok = tiny_chat_tokenizer()
+    assert has_thinking_switch(tok)
+    block = empty_think_block(tok)
+    default = encode_prompt(tok, "hi there")
+    on = encode_prompt(tok, "hi there", enable_thinking=True)
+    off = encode_prompt(tok, "hi there", enable_thinking=False)
+    assert default == on and not contains(on, block)  # the template's default: thinking
+    assert contains(off, block) and off[: len(on)] == on
+    assert tok.decode(off).endswith("assistant\n<think>\n\n</think>\n\n")
+
+
+def test_a_template_without_the_switch_refuses_an_explicit_choice():
+    tok = tiny_chat_tokenizer(PLAIN_TEMPLATE)
+    assert not has_thinking_switch(tok)
+    assert encode_prompt(tok, "hi") == encode_prompt(tok, "hi", enable_thinking=None)
+    with pytest.raises(SettingsError, match="no thinking switch"):
+        encode_prompt(tok, "hi", enable_thinking=False)
+    with pytest.raises(SettingsError, match="chat-templated prompts"):
+        encode_prompt(tiny_chat_tokenizer(), "hi", raw=True, enable_thinking=True)
+
+
+def test_enable_thinking_in_the_registry(tmp_path):
+    file = tmp_path / "models.toml"
+    file.write_text('[pairs.p]\ntarget = { hub = "a/b" }\ndrafter = { path = "d" }\nenable_thinking = false\n'
+                    'gpu_memory_gb = 12.5\n')
+    pair = load_registry(file).get("p")
+    assert pair.enable_thinking is False and pair.gpu_memory_gb == 12.5
+    file.write_text('[pairs.p]\ntarget = { hub = "a/b" }\ndrafter = { path = "d" }\n')
+    assert load_registry(file).get("p").enable_thinking is None
+    file.write_text('[pairs.p]\ntarget = { hub = "a/b" }\ndrafter = { path = "d" }\nenable_thinking = "no"\n')
+    with pytest.raises(RegistryError, match="enable_thinking = 'no'; expected true or false"):
+        load_registry(file)
+
+
+def make_registry(tmp_path, thinking_line: str = "", template: str = QWEN3_STYLE_TEMPLATE):
+    target = tmp_path / "target"
+    tiny_target("qwen3").save_pretrained(target)
+    tiny_chat_tokenizer(template).save_pretrained(target)
+    file = tmp_path / "models.toml"
+    file.write_text(f'[pairs.tiny]\ntarget = {{ path = "target" }}\ndrafter = {{ random = true, layers = 1 }}\n'
+                    f'dtype = "float32"\n{thinking_line}\n')
+    return file
+
+
+def test_engine_prepare_applies_the_pairs_choice_and_a_requests_override(tmp_path):
+    from dflash_core.speculative import GenerationConfig
+
+    engine = Engine.from_registry("tiny", str(make_registry(tmp_path, "enable_thinking = false")))
+    block = empty_think_block(engine.tokenizer)
+    config = GenerationConfig(max_new_tokens=8)
+    assert engine.thinking_switch and engine.pair.enable_thinking is False
+    pair_default, _ = engine.prepare("hi", config)
+    on, _ = engine.prepare("hi", config, enable_thinking=True)
+    off, _ = engine.prepare("hi", config, "ar", enable_thinking=False)
+    raw, _ = engine.prepare("hi", config, raw=True)  # no template: the pair's choice does not apply
+    assert contains(pair_default, block) and pair_default == off
+    assert not contains(on, block)
+    assert raw == engine.tokenizer("hi")["input_ids"]
+    result = engine.generate("hi", config, enable_thinking=True)
+    assert 1 <= len(result.token_ids) <= 8
+    assert engine.describe()["enable_thinking"] is False and engine.describe()["thinking_switch"] is True
+
+
+def test_a_pair_that_sets_thinking_on_a_template_without_the_switch_says_so(tmp_path):
+    from dflash_core.speculative import GenerationConfig
+
+    engine = Engine.from_registry("tiny", str(make_registry(tmp_path, "enable_thinking = true", PLAIN_TEMPLATE)))
+    with pytest.raises(SettingsError, match="remove enable_thinking from the pair"):
+        engine.prepare("hi", GenerationConfig(max_new_tokens=4))
+
+
+def test_cli_thinking_flags(tmp_path, capsys):
+    registry = str(make_registry(tmp_path, "enable_thinking = false"))
+
+    def run(*flags: str) -> dict:
+        assert cli.main(["--registry", registry, "generate", "--pair", "tiny", "--json", "--prompt", "hello",
+                         "--max-new-tokens", "6", *flags]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    pair_default, on, off = run(), run("--thinking"), run("--no-thinking")
+    assert pair_default["enable_thinking"] is False and off["enable_thinking"] is False
+    assert on["enable_thinking"] is True
+    # The empty think block (6 tokens: <think>, two newlines, </think>, two newlines) is in the
+    # prompt exactly when thinking is off.
+    assert off["prompt_tokens"] == pair_default["prompt_tokens"] == on["prompt_tokens"] + 6
+    assert cli.main(["--registry", registry, "generate", "--pair", "tiny", "--prompt", "hi", "--raw", "--thinking"]) == 2
+    assert "chat-templated prompts" in capsys.readouterr().err
