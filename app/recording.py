@@ -10,6 +10,38 @@ from typing import Any
 from dflash_core.speculative import CycleEvent
 
 
+class IncrementalDetokenizer:
+    """Each new token's text, without decoding the whole output again (which made a run's
+    rendering quadratic in its length).
+
+    Decodes a short window: the tokens since the last point where the text was complete, so
+    that tokenizers that merge a space or a multi-byte character across tokens give the same
+    text as decoding everything at once. A token that ends in the middle of a character yields
+    "" and the next one carries the whole character."""
+
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool = False) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = []
+        self.text = ""
+        self._prefix = 0  # window start: the text before it is final
+        self._read = 0  # tokens whose text has been given out
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        before = self._decode(self.ids[self._prefix:self._read])
+        after = self._decode(self.ids[self._prefix:])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            piece = after[len(before):]
+            self._prefix, self._read = self._read, len(self.ids)
+            self.text += piece
+            return piece
+        return ""
+
+
 @dataclass
 class TokenView:
     text: str
@@ -51,11 +83,11 @@ class RunRecord:
     first_token_s: float | None = None
     elapsed_s: float = 0.0
     finish_reason: str | None = None
-    _text: str = ""
+    _detokenizer: IncrementalDetokenizer | None = None
 
     @property
     def text(self) -> str:
-        return self._text
+        return self._detokenizer.text if self._detokenizer else ""
 
     @property
     def num_tokens(self) -> int:
@@ -88,17 +120,19 @@ class RunRecord:
     def mean_verify_s(self) -> float:
         return sum(c.verify_s for c in self.cycles) / len(self.cycles) if self.cycles else 0.0
 
-    def add(self, event: CycleEvent, tokenizer: Any) -> None:
-        now = time.perf_counter() - self.started
+    def add(self, event: CycleEvent, tokenizer: Any, at: float | None = None) -> None:
+        """Record one event; ``at`` is the ``time.perf_counter()`` at which the engine produced it
+        (default: now), so that the run's timer is the engine's whatever the consumer's delay."""
+        now = (time.perf_counter() if at is None else at) - self.started
         if event.is_prefill:
             self.first_token_s = now
+        if self._detokenizer is None:
+            self._detokenizer = IncrementalDetokenizer(tokenizer)
         ids = event.committed
         confidences = event.draft_confidence
         for i, tok in enumerate(ids):
             self.token_ids.append(tok)
-            full = tokenizer.decode(self.token_ids, skip_special_tokens=False)
-            piece = full[len(self._text):] if full.startswith(self._text) else tokenizer.decode([tok], skip_special_tokens=False)
-            self._text = full
+            piece = self._detokenizer.push(tok)
             accepted = i < event.num_accepted and not event.is_prefill
             special = tok in getattr(tokenizer, "all_special_ids", ())
             self.tokens.append(TokenView(piece, "accepted" if accepted else "target", event.index,
@@ -117,14 +151,3 @@ class RunRecord:
         self.elapsed_s = now
         if event.finish_reason:
             self.finish_reason = event.finish_reason
-
-    def summary(self) -> dict[str, Any]:
-        return {
-            "mode": self.mode,
-            "tokens": self.num_tokens,
-            "cycles": len(self.cycles),
-            "tau": None if self.tau is None else round(self.tau, 3),
-            "tokens_per_s": None if self.tokens_per_s is None else round(self.tokens_per_s, 2),
-            "elapsed_s": round(self.elapsed_s, 3),
-            "finish_reason": self.finish_reason,
-        }

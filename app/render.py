@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import html
 
-from .recording import CycleRecord, RunRecord
+from .recording import CycleRecord, RunRecord, TokenView
 
 LEGEND = (
     '<div class="dfs-legend"><span class="tok tok-accepted">accepted draft</span>'
@@ -25,22 +25,30 @@ def _visible(text: str) -> str:
     return text.replace(" ", "\u2423").replace("\n", "\u21b5").replace("\t", "\u21e5") or "\u2205"
 
 
-def tokens_html(run: RunRecord | None, placeholder: str = "") -> str:
-    if run is None or not run.tokens:
-        return f'<div class="dfs-text dfs-empty">{_esc(placeholder)}</div>'
+def token_spans(tokens: list[TokenView], mode: str) -> str:
+    """The coloured spans of some tokens (a whole run, or the ones new since the last update)."""
     parts = []
-    for tok in run.tokens:
-        if run.mode == "ar":
+    for tok in tokens:
+        if mode == "ar":
             title = f"cycle {tok.cycle} · the target's own token (autoregressive)"
         elif tok.kind == "accepted":
             title = f"cycle {tok.cycle} · drafted and accepted · drafter confidence {tok.confidence:.2f}"
         else:
             title = f"cycle {tok.cycle} · supplied by the target (bonus / correction)"
-        cls = "tok-ar" if run.mode == "ar" else f"tok-{tok.kind}"
+        cls = "tok-ar" if mode == "ar" else f"tok-{tok.kind}"
         if tok.special:
             cls += " tok-special"
         parts.append(f'<span class="tok {cls}" title="{_esc(title)}">{_esc(tok.text)}</span>')
-    return f'<div class="dfs-text">{"".join(parts)}</div>'
+    return "".join(parts)
+
+
+def tokens_html(run: RunRecord | None, placeholder: str = "", run_id: int | None = None) -> str:
+    """A run's whole text pane; with ``run_id``, an empty pane that live updates append to."""
+    if run_id is not None:
+        return f'<div class="dfs-text" data-run="{run_id}" data-placeholder="{_esc(placeholder)}"></div>'
+    if run is None or not run.tokens:
+        return f'<div class="dfs-text dfs-empty">{_esc(placeholder)}</div>'
+    return f'<div class="dfs-text">{token_spans(run.tokens, run.mode)}</div>'
 
 
 def cycle_html(cycle: CycleRecord) -> str:
@@ -74,7 +82,19 @@ def cycle_html(cycle: CycleRecord) -> str:
     return f'<div class="dfs-cycle"><div class="dfs-cycle-head">{header}</div><div>{"".join(chips)}</div></div>'
 
 
-def cycle_log_html(run: RunRecord | None, last: int = 60) -> str:
+LOG_ROWS = 60  # cycles the log keeps on the page (newest first)
+
+
+def cycle_rows(cycles: list[CycleRecord]) -> str:
+    """Log rows for some cycles, newest first (what a live update puts on top of the log)."""
+    return "".join(cycle_html(c) for c in reversed(cycles[-LOG_ROWS:]))
+
+
+def cycle_log_html(run: RunRecord | None, last: int = LOG_ROWS, run_id: int | None = None) -> str:
+    """The whole cycle log; with ``run_id``, an empty log that live updates prepend to."""
+    if run_id is not None:
+        return (f'<div class="dfs-log" data-run="{run_id}" data-keep="{last}" '
+                'data-placeholder="Each speculative cycle will appear here."></div>')
     if run is None or not run.cycles:
         return '<div class="dfs-log dfs-empty">Each speculative cycle will appear here.</div>'
     rows = [cycle_html(c) for c in run.cycles[-last:]][::-1]
@@ -102,7 +122,7 @@ def counters_html(run: RunRecord | None, label: str) -> str:
     return f'<div class="dfs-counters"><b>{_esc(label)}</b> <i>{_esc(state)}</i>{body}</div>'
 
 
-def speedup_html(dflash: RunRecord | None, ar: RunRecord | None, same_text: bool | None) -> str:
+def speedup_html(dflash: RunRecord | None, ar: RunRecord | None, same_text: bool | None, variant: str = "") -> str:
     if dflash is None or ar is None or dflash.tokens_per_s is None or ar.tokens_per_s is None:
         return '<div class="dfs-speedup">Speedup appears when both runs have finished.</div>'
     ratio = dflash.tokens_per_s / ar.tokens_per_s
@@ -110,13 +130,16 @@ def speedup_html(dflash: RunRecord | None, ar: RunRecord | None, same_text: bool
     if same_text is not None:
         check = ("identical output ✓" if same_text else
                  "outputs differ (sampling, or a numerical near-tie in this dtype)")
+    ran = f" · variant: {_esc(variant)}" if variant else ""
     return (f'<div class="dfs-speedup"><b>{ratio:.2f}×</b> faster than the target alone '
-            f"({dflash.tokens_per_s:.1f} vs {ar.tokens_per_s:.1f} tok/s) · {_esc(check)}</div>")
+            f"({dflash.tokens_per_s:.1f} vs {ar.tokens_per_s:.1f} tok/s) · {_esc(check)}{ran}</div>")
 
 
 TIMING_NOTE = (
     "How the comparison is timed: DFlash runs first, then the autoregressive baseline, on the same "
-    "engine and the same CPU cores, never at the same time. Each timer measures only its own run; "
-    "tokens/s excludes the prompt prefill (the first token), as in z-lab's benchmark. The race chart "
-    "replays both runs on a common clock starting at zero."
+    "engine and the same CPU cores, never at the same time. The engine runs in its own thread and "
+    "this page is sent what is new about ten times a second, so showing a run barely slows it; each "
+    "timer is the engine's own clock for its run. Both runs are warm (the pair is warmed up when it "
+    "loads). Tokens/s excludes the prompt prefill (the first token), as in z-lab's benchmark. The race "
+    "chart replays both runs on a common clock starting at zero."
 )

@@ -9,9 +9,11 @@ import time
 from typing import Callable
 
 from dflash_core.engine import Engine
-from dflash_core.errors import DFlashError, DeviceUnavailableError
+from dflash_core.errors import DFlashError, DeviceUnavailableError, ModelLoadError
 from dflash_core.loading import device_problem, load_pair
 from dflash_core.registry import Registry, load_registry
+
+DEFAULT_BLOCK_SIZE = 16  # z-lab's published drafters and ours; a loaded engine knows its own
 
 
 def on_gpu_space() -> bool:
@@ -24,8 +26,10 @@ def on_gpu_space() -> bool:
 
 
 class StudioService:
-    def __init__(self, registry_path: str | None = None) -> None:
+    def __init__(self, registry_path: str | None = None, warm_up: bool = True) -> None:
         self.registry: Registry = load_registry(registry_path)
+        # Warm each engine up as it loads, so that no one's first run is the slow one.
+        self.warm_up = warm_up
         self._engines: dict[str, Engine] = {}
         self._errors: dict[str, str] = {}
         self._loading: dict[str, threading.Event] = {}
@@ -47,6 +51,13 @@ class StudioService:
             label = name if reason is None else f"{name} — unavailable here: {reason}"
             choices.append((label, name))
         return choices
+
+    def max_block_size(self, name: str) -> int:
+        """The largest block size the pair's drafter takes (for the UI's slider)."""
+        engine = self._engines.get(name)
+        if engine is not None:
+            return engine.max_block_size
+        return self.registry.pairs[name].block_size or DEFAULT_BLOCK_SIZE
 
     def engines_status(self) -> dict[str, dict]:
         """Per pair: {status (loading), busy (generating now), last_run: {run, cycles, tokens,
@@ -102,14 +113,24 @@ class StudioService:
         started = time.time()
         try:
             engine = Engine(load_pair(pair, report))
-            self.status[name] = f"ready (loaded in {time.time() - started:.1f} s)"
+            loaded = time.time() - started
+            if self.warm_up:
+                report("warming up (the first runs of a fresh process are slower; calibrating adaptive verification)")
+                engine.warm_up()
+            self.status[name] = f"ready (loaded in {loaded:.1f} s, warmed up in {time.time() - started - loaded:.1f} s)"
             with self._guard:
                 self._engines[name] = engine
             return engine
-        except DFlashError as exc:
-            self._errors[name] = str(exc)
-            self.status[name] = f"failed: {exc}"
-            raise
+        except Exception as exc:
+            # Whatever went wrong, the callers waiting for this load get a DFlashError that says
+            # so (not a KeyError for the engine that never arrived).
+            error = exc if isinstance(exc, DFlashError) else ModelLoadError(
+                f"loading pair {name!r} failed: {type(exc).__name__}: {exc}; check the pair in models.toml")
+            self._errors[name] = str(error)
+            self.status[name] = f"failed: {error}"
+            if error is exc:
+                raise
+            raise error from exc
         finally:
             with self._guard:
                 self._loading.pop(name, None)

@@ -1,17 +1,20 @@
 """DFlash Studio: the Gradio app.
 
-* Live view: one update per speculative cycle — coloured tokens, the cycle log, counters.
+* Live view: the engine runs in its own thread at full speed; the page gets what is new (tokens
+  coloured by origin, cycle-log rows, counters) at most ten times a second, appended in the
+  browser, so what it shows costs the engine little and does not grow with the output.
 * An honest autoregressive baseline on the same engine, run after DFlash (never at the same time)
-  with its own timer, and the speedup.
+  with its own timer (the engine's timestamps), and the speedup.
 * Plotly charts, a Stop button that ends the engine within one cycle, a teaching mode that steps
   through recorded cycles, and a named streaming API endpoint ``/generate``.
 """
 
 from __future__ import annotations
 
+import itertools
+import json
 import threading
-import time
-from dataclasses import replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -22,7 +25,8 @@ from dflash_core.prompting import max_new_tokens_limit
 from dflash_core.speculative import GenerationConfig
 
 from . import charts, render
-from .recording import RunRecord
+from .live import BackgroundRun, batches
+from .recording import IncrementalDetokenizer, RunRecord
 from .service import StudioService
 from .teaching import TeachingState, explanation_md, formula_md, step_html
 
@@ -44,18 +48,92 @@ EXAMPLES = [
     "Give me three tips for a productive morning.",
     "What is the difference between a list and a tuple in Python?",
 ]
-UPDATE_PLOTS_EVERY_S = 1.0  # plots are heavier than text: redraw them about once a second
+
+
+# Applies a live update (see Studio.compare) in the browser: appends the new tokens to the text
+# panes and puts the new cycles on top of the log, in arrival order, into the panes of the run
+# they belong to (a pane is emptied, and tagged with its run, at the start of every run).
+APPLY_LIVE_UPDATE_JS = """
+(payload) => {
+  const live = window.dfsLive || (window.dfsLive = {queue: [], drain: null});
+  live.drain = live.drain || (() => {
+    const panes = {dflash: '#dfs-dflash .dfs-text', ar: '#dfs-ar .dfs-text', log: '#dfs-log .dfs-log'};
+    while (live.queue.length) {
+      const update = live.queue[0];
+      const parts = Object.keys(panes).filter((key) => update[key]);
+      const boxes = parts.map((key) => document.querySelector(panes[key]));
+      if (boxes.some((box) => box && Number(box.dataset.run) > update.run)) { live.queue.shift(); continue; }
+      if (boxes.some((box) => !box || Number(box.dataset.run) !== update.run)) {
+        update.tries = (update.tries || 0) + 1;
+        if (update.tries > 200) { live.queue.shift(); continue; }  // its run's panes are gone
+        setTimeout(live.drain, 25);
+        return;
+      }
+      parts.forEach((key, i) => {
+        const box = boxes[i];
+        if (key === 'log') {
+          box.insertAdjacentHTML('afterbegin', update[key]);
+          while (box.children.length > Number(box.dataset.keep)) box.lastElementChild.remove();
+        } else {
+          const following = box.scrollTop + box.clientHeight >= box.scrollHeight - 8;
+          box.insertAdjacentHTML('beforeend', update[key]);
+          if (following) box.scrollTop = box.scrollHeight;
+        }
+      });
+      live.queue.shift();
+    }
+  });
+  if (payload) { live.queue.push(JSON.parse(payload)); live.drain(); }
+  return [];
+}
+"""
+VARIANTS = {  # the Live tab's variant switch: (adaptive, tree, lookup)
+    "fastest": (True, True, True),
+    "plain": (False, False, False),
+}
+
+
+def variant_name(config: GenerationConfig) -> str:
+    """How a run verified its drafts, in the words the page uses."""
+    if config.block_size == 1:
+        return "autoregressive"
+    parts = [name for name, on in (("tree", config.tree), ("prompt lookup", config.lookup),
+                                   ("adaptive", config.adaptive)) if on]
+    return " + ".join(parts) if parts else "plain DFlash"
+
+
+@dataclass
+class LiveViews:
+    """The Live tab's output components, so handlers update them by name (a dict of
+    component -> value; components left out keep what they show)."""
+
+    status: Any
+    dflash_text: Any
+    dflash_counters: Any
+    ar_text: Any
+    ar_counters: Any
+    speedup: Any
+    log: Any
+    live_update: Any  # a hidden textbox: each value is one live update (APPLY_LIVE_UPDATE_JS)
+    plot_accept: Any
+    plot_hist: Any
+    plot_phase: Any
+    plot_race: Any
+
+    def all(self) -> list[Any]:
+        return [getattr(self, f.name) for f in fields(self)]
 
 
 class Studio:
     def __init__(self, service: StudioService) -> None:
         self.service = service
+        # The stop event of each session's running generation: added when a run starts and
+        # removed when it ends, so the map holds only runs in progress.
         self._stops: dict[str, threading.Event] = {}
+        self._run_ids = itertools.count(1)
+        self.views: LiveViews | None = None  # set by build_app
 
     # ------------------------------------------------------------------------------ helpers
-    def stop_event(self, session: str) -> threading.Event:
-        return self._stops.setdefault(session, threading.Event())
-
     def wait_for_engine(self, pair: str) -> Iterator[str | Any]:
         """Yield loading messages until the pair's engine is ready, then yield the engine."""
         box: dict[str, Any] = {}
@@ -88,40 +166,26 @@ class Studio:
     # ------------------------------------------------------------------- the compare handler
     def compare(self, pair, prompt, block, temperature, max_new, seed, baseline, adaptive, tree, lookup,
                 request: gr.Request):  # noqa: ANN001
-        """Generator for the main view; yields a full set of outputs once per cycle."""
+        """Generator for the Live tab: DFlash, then the baseline, each run by the engine in its
+        own thread while the page gets what is new at most ``UPDATES_PER_S`` times a second."""
         session = getattr(request, "session_hash", None) or "default"
-        stop = self.stop_event(session)
-        stop.clear()
-        state = {"status": "", "dflash": None, "ar": None, "same": None, "plots_at": 0.0}
+        stop = threading.Event()
+        self._stops[session] = stop
+        try:
+            yield from self._compare(stop, pair, prompt, block, temperature, max_new, seed, baseline,
+                                     adaptive, tree, lookup)
+        finally:
+            if self._stops.get(session) is stop:
+                del self._stops[session]
 
-        def outputs(final: bool = False) -> tuple:
-            d, a = state["dflash"], state["ar"]
-            now = time.perf_counter()
-            redraw = final or now - state["plots_at"] >= UPDATE_PLOTS_EVERY_S
-            if redraw:
-                state["plots_at"] = now
-            plots = (
-                (charts.acceptance_per_cycle(d), charts.acceptance_histogram(d, int(block or 16)),
-                 charts.phase_times(d), charts.race(d, a))
-                if redraw else (gr.skip(),) * 4
-            )
-            return (
-                state["status"],
-                render.tokens_html(d, "DFlash output appears here, one cycle at a time."),
-                render.counters_html(d, "DFlash"),
-                render.tokens_html(a, "The autoregressive baseline runs after DFlash." if baseline else "Baseline off."),
-                render.counters_html(a, "Autoregressive"),
-                render.speedup_html(d, a, state["same"]),
-                render.cycle_log_html(d),
-                *plots,
-            )
-
+    def _compare(self, stop: threading.Event, pair, prompt, block, temperature, max_new, seed, baseline,  # noqa: ANN001
+                 adaptive, tree, lookup):
+        v = self.views
         try:
             engine = None
             for item in self.wait_for_engine(pair):
                 if isinstance(item, str):
-                    state["status"] = item
-                    yield outputs()
+                    yield {v.status: item}
                 else:
                     engine = item
             cfg = replace(self.config(block, temperature, max_new, seed), adaptive=bool(adaptive), tree=bool(tree),
@@ -129,30 +193,69 @@ class Studio:
             ids, cfg = engine.prepare(prompt, cfg, "dflash")
             ar_cfg = engine.prepare(prompt, cfg, "ar")[1]
         except DFlashError as exc:
-            state["status"] = f"⚠️ {exc}"
-            yield outputs(final=True)
+            yield {v.status: f"⚠️ {exc}"}
             return
 
+        run_id = next(self._run_ids)
+        variant = variant_name(cfg)
+        # Empty panes tagged with this run: the live updates that follow append to them.
+        yield {
+            v.dflash_text: render.tokens_html(None, "DFlash output appears here, one cycle at a time.", run_id),
+            v.ar_text: render.tokens_html(None, "The autoregressive baseline runs after DFlash." if baseline
+                                          else "Baseline off.", run_id),
+            v.log: render.cycle_log_html(None, run_id=run_id),
+            v.dflash_counters: render.counters_html(None, "DFlash"),
+            v.ar_counters: render.counters_html(None, "Autoregressive"),
+            v.speedup: render.speedup_html(None, None, None),
+            v.plot_accept: None, v.plot_hist: None, v.plot_phase: None, v.plot_race: None,
+        }
+        records: dict[str, RunRecord] = {}
+        sequence = itertools.count()
         runs = [("dflash", cfg)] + ([("ar", ar_cfg)] if baseline else [])
-        for mode, run_cfg in runs:
-            if stop.is_set():
-                break
-            record = RunRecord(mode)
-            state[mode] = record
-            state["status"] = f"▶ running {'DFlash' if mode == 'dflash' else 'the autoregressive baseline'}…"
-            events = engine.stream_ids(ids, run_cfg, should_stop=stop.is_set)
-            try:
-                for event in events:
-                    record.add(event, engine.tokenizer)
-                    yield outputs()
-            finally:
-                events.close()  # releases the engine even if the client went away mid-run
-        d, a = state["dflash"], state["ar"]
+        try:
+            for mode, run_cfg in runs:
+                if stop.is_set():
+                    break
+                label = f"DFlash ({variant})" if mode == "dflash" else "the autoregressive baseline"
+                yield {v.status: f"▶ running {label}…"}
+                run = BackgroundRun(engine, ids, run_cfg, should_stop=stop.is_set)
+                record = records[mode] = RunRecord(mode, started=run.started)
+                counters = v.dflash_counters if mode == "dflash" else v.ar_counters
+                for batch in batches(run):
+                    shown_tokens, shown_cycles = len(record.tokens), len(record.cycles)
+                    for at, event in batch:
+                        record.add(event, engine.tokenizer, at=at)
+                    update = {"run": run_id, "seq": next(sequence),
+                              mode: render.token_spans(record.tokens[shown_tokens:], mode)}
+                    if mode == "dflash" and len(record.cycles) > shown_cycles:
+                        update["log"] = render.cycle_rows(record.cycles[shown_cycles:])
+                    yield {v.live_update: json.dumps(update), counters: render.counters_html(record, "DFlash" if
+                           mode == "dflash" else "Autoregressive")}
+                # Plots once per run, after it: they are the heaviest thing to build and draw.
+                d, a = records.get("dflash"), records.get("ar")
+                yield {v.plot_accept: charts.acceptance_per_cycle(d),
+                       v.plot_hist: charts.acceptance_histogram(d, int(block or 16)),
+                       v.plot_phase: charts.phase_times(d), v.plot_race: charts.race(d, a)}
+        except DFlashError as exc:
+            yield {v.status: f"⚠️ {exc}"}
+            return
+        d, a = records.get("dflash"), records.get("ar")
+        same = None
         if d is not None and a is not None and a.finish_reason not in (None, "cancelled"):
-            state["same"] = d.token_ids == a.token_ids if cfg.temperature == 0 else None
-        cancelled = any(r is not None and r.finish_reason == "cancelled" for r in (d, a)) or stop.is_set()
-        state["status"] = "⏹ stopped" if cancelled else "✓ done"
-        yield outputs(final=True)
+            same = d.token_ids == a.token_ids if cfg.temperature == 0 else None
+        cancelled = any(r.finish_reason == "cancelled" for r in records.values()) or stop.is_set()
+        # Once both runs are over (nothing timed is running), the panes are drawn whole from the
+        # records: what the page ends with is exactly what was recorded, however the live
+        # updates fared.
+        yield {
+            v.status: ("⏹ stopped" if cancelled else "✓ done") + f" · variant: {variant}",
+            v.dflash_text: render.tokens_html(d, "DFlash output appears here, one cycle at a time."),
+            v.ar_text: render.tokens_html(a, "The autoregressive baseline runs after DFlash." if baseline else "Baseline off."),
+            v.log: render.cycle_log_html(d),
+            v.dflash_counters: render.counters_html(d, "DFlash"),
+            v.ar_counters: render.counters_html(a, "Autoregressive"),
+            v.speedup: render.speedup_html(d, a, same, variant),
+        }
 
     def model_status(self) -> tuple[str, Any]:
         """Loading progress of the default pair, polled by a timer until the models are ready."""
@@ -163,7 +266,10 @@ class Studio:
         return f"{icon} **{name}**: {status}", gr.Timer(active=not done)
 
     def stop(self, request: gr.Request) -> str:
-        self.stop_event(getattr(request, "session_hash", None) or "default").set()
+        event = self._stops.get(getattr(request, "session_hash", None) or "default")
+        if event is None:
+            return "Nothing is running."
+        event.set()
         return "⏹ stopping after the current cycle…"
 
     # ------------------------------------------------------------------------- teaching mode
@@ -185,7 +291,9 @@ class Studio:
                 ar.add(event, engine.tokenizer)
         except DFlashError as exc:
             return None, f"⚠️ {exc}", "", ""
-        state = TeachingState(dflash, ar, cfg.block_size, engine.tokenizer.decode([engine.drafter.mask_token_id]))
+        # The mask slots are shown as MASK: the id is a token the drafter's training reserved,
+        # whose own text (for SmolLM2, ``<gh_stars>``) means nothing here.
+        state = TeachingState(dflash, ar, cfg.block_size, "MASK")
         return state, step_html(state), formula_md(state), render.tokens_html(dflash)
 
     @staticmethod
@@ -198,10 +306,15 @@ class Studio:
     # ------------------------------------------------------------------------ the named API
     def api_generate(self, prompt: str, max_new_tokens: int = 128, block_size: int = 16,
                      temperature: float = 0.0, pair: str = "") -> Iterator[dict]:
-        """Stream one update per speculative cycle; the last update carries the full text.
+        """Stream the generation, at most ``UPDATES_PER_S`` updates a second; the last update
+        carries the full text and the token ids.
 
-        Each update: {cycle, committed (token ids), drafted, num_accepted, bonus, text,
-        tokens, tau, finish_reason}. Its inputs stay these five (raw HTTP clients send every
+        Each update: {cycle, drafted, num_accepted, bonus (of the latest cycle), cycles (the
+        indices of the cycles since the previous update), accepted and lengths (per such cycle:
+        drafts kept, tokens committed), committed (the token ids since the previous update, the
+        cycles' in order), text, tokens, tau, finish_reason, token_ids}. Every list is flat:
+        Gradio streams each update as a diff against the previous one, and its diff mangles
+        deletions inside nested lists. Its inputs stay these five (raw HTTP clients send every
         input), so the Live tab's verification options are not among them.
         """
         try:
@@ -213,23 +326,42 @@ class Studio:
             ids, cfg = engine.prepare(prompt, cfg, "dflash")
         except DFlashError as exc:
             raise gr.Error(str(exc)) from None
-        record = RunRecord("dflash")
-        events = engine.stream_ids(ids, cfg)
+        token_ids: list[int] = []
+        text = IncrementalDetokenizer(engine.tokenizer, skip_special_tokens=True)
+        lengths: list[int] = []
         try:
-            for event in events:
-                record.add(event, engine.tokenizer)
+            for batch in batches(BackgroundRun(engine, ids, cfg)):
+                if not batch:
+                    continue
+                committed: list[int] = []
+                for _, event in batch:
+                    for token in event.committed:
+                        text.push(token)
+                    committed += event.committed
+                    if event.drafted:
+                        lengths.append(event.num_accepted + 1)
+                token_ids += committed
+                events = [event for _, event in batch]
+                last = events[-1]
+                final = last.finish_reason is not None
                 yield {
-                    "cycle": event.index, "committed": event.committed, "drafted": event.drafted,
-                    "num_accepted": event.num_accepted, "bonus": event.bonus,
-                    "text": engine.decode(record.token_ids), "tokens": record.num_tokens,
-                    "tau": record.tau, "finish_reason": event.finish_reason,
-                    "token_ids": record.token_ids if event.finish_reason else None,
+                    "cycle": last.index, "drafted": last.drafted, "num_accepted": last.num_accepted, "bonus": last.bonus,
+                    "cycles": [e.index for e in events], "accepted": [e.num_accepted for e in events],
+                    "lengths": [len(e.committed) for e in events], "committed": committed,
+                    "text": engine.decode(token_ids) if final else text.text, "tokens": len(token_ids),
+                    "tau": sum(lengths) / len(lengths) if lengths else None,
+                    "finish_reason": last.finish_reason, "token_ids": token_ids if final else None,
                 }
-        finally:
-            events.close()
+        except DFlashError as exc:
+            raise gr.Error(str(exc)) from None
 
 
 def build_app(service: StudioService | None = None) -> gr.Blocks:
+    return build_studio(service)[1]
+
+
+def build_studio(service: StudioService | None = None) -> tuple[Studio, gr.Blocks]:
+    """The studio's handlers and the page wired to them."""
     service = service or StudioService()
     studio = Studio(service)
     choices = service.pair_choices()
@@ -251,17 +383,23 @@ def build_app(service: StudioService | None = None) -> gr.Blocks:
                     pair = gr.Dropdown(choices=choices, value=default, label="Target / drafter pair")
                     prompt = gr.Textbox(label="Prompt", lines=5, value=EXAMPLES[0], elem_id="dfs-prompt")
                     gr.Examples(EXAMPLES, inputs=prompt, label="Example prompts")
-                    block = gr.Slider(1, 16, value=16, step=1, label="Block size (1 = autoregressive)")
+                    block = gr.Slider(1, service.max_block_size(default), value=service.max_block_size(default),
+                                      step=1, label="Block size (1 = autoregressive)")
                     temperature = gr.Slider(0.0, 2.0, value=0.0, step=0.05, label="Temperature (0 = greedy)")
                     max_new = gr.Slider(1, limit, value=min(256, limit), step=1, label="Max new tokens", elem_id="dfs-max-new")
                     seed = gr.Number(value=0, precision=0, label="Seed (sampling)")
                     baseline = gr.Checkbox(value=True, label="Also run the autoregressive baseline")
-                    adaptive = gr.Checkbox(value=False, label="Adaptive verification: verify only the drafts worth "
-                                           "their cost (drafter confidence vs measured verify time)")
-                    tree = gr.Checkbox(value=False, label="Tree verification: check the drafter's likeliest "
-                                       "continuations as a tree in one target pass (same output)", elem_id="dfs-tree")
-                    lookup = gr.Checkbox(value=False, label="Prompt lookup: also check, in the same pass, what followed "
-                                         "the last tokens where they occurred before (same output)", elem_id="dfs-lookup")
+                    variant = gr.Radio(
+                        [("Fastest here: tree + prompt lookup + adaptive (same output)", "fastest"),
+                         ("Plain DFlash, as published", "plain")],
+                        value="fastest", label="Variant", elem_id="dfs-variant")
+                    with gr.Accordion("Verification options", open=False):
+                        adaptive = gr.Checkbox(value=True, label="Adaptive verification: verify only the drafts worth "
+                                               "their cost (drafter confidence vs measured verify time)", elem_id="dfs-adaptive")
+                        tree = gr.Checkbox(value=True, label="Tree verification: check the drafter's likeliest "
+                                           "continuations as a tree in one target pass (same output)", elem_id="dfs-tree")
+                        lookup = gr.Checkbox(value=True, label="Prompt lookup: also check, in the same pass, what followed "
+                                             "the last tokens where they occurred before (same output)", elem_id="dfs-lookup")
                     with gr.Row():
                         go_btn = gr.Button("Generate", variant="primary", elem_id="dfs-generate")
                         stop_btn = gr.Button("Stop", variant="stop", elem_id="dfs-stop")
@@ -278,6 +416,7 @@ def build_app(service: StudioService | None = None) -> gr.Blocks:
                             a_text = gr.HTML(render.tokens_html(None, "Baseline output appears here."), elem_id="dfs-ar")
                     speedup = gr.HTML(render.speedup_html(None, None, None), elem_id="dfs-speedup")
                     log = gr.HTML(render.cycle_log_html(None), elem_id="dfs-log")
+                    live_update = gr.Textbox(visible="hidden", elem_id="dfs-live-update")
             with gr.Row():
                 p_accept = gr.Plot(label="Acceptance length per cycle", elem_id="dfs-plot-accept")
                 p_hist = gr.Plot(label="Histogram", elem_id="dfs-plot-hist")
@@ -302,10 +441,17 @@ def build_app(service: StudioService | None = None) -> gr.Blocks:
             t_text = gr.HTML()
 
         status_timer.tick(studio.model_status, None, [model_status, status_timer], queue=False, api_visibility="private")
-        outputs = [status, d_text, d_counters, a_text, a_counters, speedup, log, p_accept, p_hist, p_phase, p_race]
+        studio.views = LiveViews(status=status, dflash_text=d_text, dflash_counters=d_counters, ar_text=a_text,
+                                 ar_counters=a_counters, speedup=speedup, log=log, live_update=live_update,
+                                 plot_accept=p_accept, plot_hist=p_hist, plot_phase=p_phase, plot_race=p_race)
+        # No progress overlays on the outputs: the status line says what runs, and the browser
+        # keeps its time for the live updates.
         go_btn.click(gpu(studio.compare), [pair, prompt, block, temperature, max_new, seed, baseline, adaptive, tree, lookup],
-                     outputs,
+                     studio.views.all(), show_progress="hidden",
                      concurrency_id="engine", concurrency_limit=1, api_visibility="private")
+        live_update.change(None, live_update, None, js=APPLY_LIVE_UPDATE_JS, queue=False, api_visibility="private")
+        variant.change(lambda name: VARIANTS[name], variant, [adaptive, tree, lookup], queue=False,
+                       api_visibility="private")
         stop_btn.click(studio.stop, None, status, queue=False, api_visibility="private")
         t_start.click(gpu(studio.teach_start), [t_pair, t_prompt, t_block, t_max], [t_state, t_step, t_formula, t_text],
                       concurrency_id="engine", concurrency_limit=1, api_visibility="private")
@@ -315,7 +461,7 @@ def build_app(service: StudioService | None = None) -> gr.Blocks:
                      api_visibility="private")
         gr.api(gpu(studio.api_generate), api_name="generate", concurrency_id="engine", concurrency_limit=1)
         gr.api(service.engines_status, api_name="status", queue=False)
-    return demo
+    return studio, demo
 
 
 def css() -> str:

@@ -1,0 +1,85 @@
+"""A generation running beside the page: the engine in a thread of its own at full speed, its
+events timestamped as they come, and the page fed at a bounded rate with only what is new.
+
+Why a thread: rendering, serialising and sending updates (and the browser laying them out) share
+the CPU with the engine. When the engine waited for every update to be rendered, the studio
+showed a fraction of the engine's speed, and a different fraction for DFlash (one update per
+cycle) than for the baseline (one per token). Here the engine never waits for the page: the page
+takes whatever has accumulated, at most ``UPDATES_PER_S`` times a second, and each run's timer is
+the engine's own (event timestamps taken in the engine's thread).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable
+
+from dflash_core.speculative import CycleEvent, GenerationConfig
+
+UPDATES_PER_S = 10  # page updates while a run is going: each may carry several cycles
+
+
+class BackgroundRun:
+    """``engine.stream_ids`` driven in a daemon thread; ``take()`` returns the events produced
+    since the last call, each with the ``time.perf_counter()`` at which the engine yielded it."""
+
+    def __init__(self, engine: Any, prompt_ids: list[int], config: GenerationConfig,
+                 should_stop: Callable[[], bool] | None = None) -> None:
+        self._events: list[tuple[float, CycleEvent]] = []
+        self._taken = 0
+        self._guard = threading.Lock()
+        self._abandoned = threading.Event()
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+        self.started = time.perf_counter()
+        self._stream = engine.stream_ids(prompt_ids, config, should_stop=should_stop)
+        self._thread = threading.Thread(target=self._run, daemon=True, name="dflash-run")
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            for event in self._stream:
+                with self._guard:
+                    self._events.append((time.perf_counter(), event))
+                if self._abandoned.is_set():
+                    break  # nobody is watching: stop before computing another cycle
+        except BaseException as exc:  # handed to the consumer, which raises it where it can be shown
+            self.error = exc
+        finally:
+            self._stream.close()  # a run left early is recorded as abandoned and frees the engine
+            self.done.set()
+
+    def take(self) -> list[tuple[float, CycleEvent]]:
+        with self._guard:
+            new = self._events[self._taken:]
+            self._taken = len(self._events)
+        return new
+
+    def wait(self, timeout: float) -> bool:
+        """Wait until the run ends or ``timeout`` passes; whether it has ended."""
+        return self.done.wait(timeout)
+
+    def abandon(self, timeout: float = 30.0) -> None:
+        """The consumer went away (a closed tab, a dropped client): end after the current cycle."""
+        self._abandoned.set()
+        self._thread.join(timeout)
+
+
+def batches(run: BackgroundRun, per_s: float = UPDATES_PER_S):
+    """Yield lists of ``(time, event)``: everything new, at most ``per_s`` times a second, until
+    the run ends (the last batch holds the final event). Closing the generator abandons the run."""
+    interval = 1.0 / per_s
+    try:
+        while True:
+            ended = run.wait(interval)
+            new = run.take()
+            if new or ended:
+                yield new
+            if ended:
+                if run.error is not None:
+                    raise run.error
+                return
+    finally:
+        if not run.done.is_set():
+            run.abandon()

@@ -1,0 +1,140 @@
+"""What the studio shows against what the CLI measures, on the same prompt and settings.
+
+Launches the studio (``python -m app``), opens it in Debian's Chromium through Playwright, runs the
+default example with the default settings (and, with ``--variants fastest,plain``, each variant
+the page offers), reads the speedup sentence and counters the page shows, stops the studio, then
+runs ``python -m dflash_core generate`` for the same prompt and settings (AR, and each variant) and
+prints both side by side. Rounds alternate page and CLI, so slow drift of a shared machine falls
+on both alike.
+
+    python scripts/studio_bench.py [--rounds 2] [--variants fastest,plain] [--out runs/studio_bench.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SPEEDUP = re.compile(r"([\d.]+)×\s*faster than the target alone \(([\d.]+) vs ([\d.]+) tok/s\)")
+CLI_FLAGS = {"fastest": ["--tree", "--lookup", "--adaptive"], "plain": []}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_studio(port: int) -> subprocess.Popen:
+    env = {**os.environ, "GRADIO_SERVER_PORT": str(port), "GRADIO_ANALYTICS_ENABLED": "False"}
+    proc = subprocess.Popen([sys.executable, "-m", "app"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.time() + 240
+    while time.time() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=2):
+                return proc
+        except OSError:
+            time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError("the studio did not start in 240 s")
+
+
+def page_run(page, variant: str, max_new_tokens: int) -> dict:
+    """One Generate on the open page with the default example; what the page then shows."""
+    page.locator(f"#dfs-variant input[value={variant}]").check()
+    page.locator("#dfs-max-new input[type=number]").fill(str(max_new_tokens))
+    page.locator("#dfs-max-new input[type=number]").press("Enter")
+    page.locator("#dfs-generate").click()
+    page.wait_for_function("() => (document.querySelector('#dfs-status')?.innerText || '').includes('running')",
+                           timeout=240_000)
+    page.wait_for_function("() => (document.querySelector('#dfs-status')?.innerText || '').includes('done')",
+                           timeout=600_000)
+    text = page.locator("#dfs-speedup").inner_text()
+    match = SPEEDUP.search(text)
+    if not match:
+        raise RuntimeError(f"no speedup sentence on the page: {text!r}")
+    return {"speedup": float(match.group(1)), "dflash_tok_s": float(match.group(2)),
+            "ar_tok_s": float(match.group(3)), "sentence": text.strip(),
+            "dflash_text": page.evaluate("() => Array.from(document.querySelectorAll("
+                                         "'#dfs-dflash .tok:not(.tok-special)')).map(e => e.textContent).join('')")}
+
+
+def cli_run(prompt: str, mode: str, flags: list[str], max_new_tokens: int) -> dict:
+    cmd = [sys.executable, "-m", "dflash_core", "generate", "--json", "--prompt", prompt, "--mode", mode,
+           "--max-new-tokens", str(max_new_tokens), *flags]
+    out = json.loads(subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True).stdout)
+    # The page's definition: tokens after the first over the time after the first.
+    return {"tok_s": (out["num_tokens"] - 1) / out["decode_s"], "tau": out["tau"], "text": out["text"]}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--variants", default="fastest,plain")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    from playwright.sync_api import sync_playwright
+
+    sys.path.insert(0, str(ROOT))
+    from app.studio import EXAMPLES
+
+    prompt = EXAMPLES[0]
+    variants = args.variants.split(",")
+    chromium = shutil.which("chromium") or "/usr/bin/chromium"
+    rows: list[dict] = []
+    for round_index in range(args.rounds):
+        port = free_port()
+        studio = start_studio(port)
+        try:
+            with sync_playwright() as p:
+                browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox", "--disable-gpu"])
+                page = browser.new_page(viewport={"width": 1400, "height": 1800})
+                page.goto(f"http://127.0.0.1:{port}/", wait_until="load")
+                page.wait_for_function("() => (document.querySelector('#dfs-model-status')?.innerText || '')"
+                                       ".includes('ready')", timeout=300_000)
+                shown = {variant: page_run(page, variant, args.max_new_tokens) for variant in variants}
+                browser.close()
+        finally:
+            studio.terminate()
+            studio.wait(30)
+        cli_ar = cli_run(prompt, "ar", [], args.max_new_tokens)
+        for variant in variants:
+            cli = cli_run(prompt, "dflash", CLI_FLAGS[variant], args.max_new_tokens)
+            page_row = shown[variant]
+            rows.append({
+                "round": round_index, "variant": variant,
+                "page_ar_tok_s": page_row["ar_tok_s"], "cli_ar_tok_s": round(cli_ar["tok_s"], 2),
+                "page_dflash_tok_s": page_row["dflash_tok_s"], "cli_dflash_tok_s": round(cli["tok_s"], 2),
+                "page_speedup": page_row["speedup"], "cli_speedup": round(cli["tok_s"] / cli_ar["tok_s"], 3),
+                "cli_tau": cli["tau"], "same_text": page_row["dflash_text"] == cli["text"],
+            })
+    print("| round | variant | AR page / CLI tok/s | DFlash page / CLI tok/s | speedup page / CLI | page/CLI speedup | same text |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['round']} | {r['variant']} | {r['page_ar_tok_s']:.1f} / {r['cli_ar_tok_s']:.1f} "
+              f"| {r['page_dflash_tok_s']:.1f} / {r['cli_dflash_tok_s']:.1f} | {r['page_speedup']:.2f}x / "
+              f"{r['cli_speedup']:.2f}x | {r['page_speedup'] / r['cli_speedup']:.0%} | {r['same_text']} |")
+    for variant in variants:
+        ratios = [r["page_speedup"] / r["cli_speedup"] for r in rows if r["variant"] == variant]
+        print(f"{variant}: page speedup / CLI speedup, median over rounds: {statistics.median(ratios):.0%}")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

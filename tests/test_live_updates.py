@@ -1,0 +1,116 @@
+"""The Live tab's handler, in process on the real default pair: the engine runs in its own
+thread, the page is sent each token and each cycle once (updates do not grow with the output),
+the final panes are what was recorded, and Stop / a closed tab end the engine within a cycle."""
+
+from __future__ import annotations
+
+import html
+import json
+import re
+
+import pytest
+
+from dflash_core.speculative import GenerationConfig
+
+pytestmark = pytest.mark.slow
+PROMPT = "Write a Python function that checks whether a string is a palindrome."
+
+
+class Request:
+    session_hash = "test-session"
+
+
+@pytest.fixture(scope="module")
+def studio():
+    from app.service import StudioService
+    from app.studio import build_studio
+
+    studio, _ = build_studio(StudioService(warm_up=False))
+    return studio
+
+
+def run_compare(studio, max_new: int, variant=(True, True, True), baseline: bool = True):
+    pair = studio.service.registry.default
+    adaptive, tree, lookup = variant
+    return studio.compare(pair, PROMPT, 16, 0.0, max_new, 0, baseline, adaptive, tree, lookup, Request())
+
+
+def visible_text(pane_html: str) -> str:
+    spans = re.findall(r'<span class="tok ([^"]*)"[^>]*>(.*?)</span>', pane_html, flags=re.S)
+    return "".join(html.unescape(text) for cls, text in spans if "tok-special" not in cls)
+
+
+def test_each_token_and_cycle_is_sent_once_and_the_final_panes_are_the_record(studio):
+    v = studio.views
+    updates = list(run_compare(studio, 64))
+    live = [json.loads(u[v.live_update]) for u in updates if v.live_update in u]
+    final = updates[-1]
+    assert "done" in final[v.status] and "tree + prompt lookup + adaptive" in final[v.status]
+    # The text panes and the log are sent whole twice only: emptied at the start, drawn from the
+    # records at the end; everything in between is appended, each token and each cycle once.
+    whole = [i for i, u in enumerate(updates) if v.dflash_text in u or v.ar_text in u or v.log in u]
+    assert len(whole) == 2 and whole[1] == len(updates) - 1 and whole[0] < min(
+        i for i, u in enumerate(updates) if v.live_update in u)
+    for mode, pane in (("dflash", v.dflash_text), ("ar", v.ar_text)):
+        sent = "".join(u.get(mode, "") for u in live)
+        assert f'<div class="dfs-text">{sent}</div>' == final[pane], mode
+    rows = [u["log"] for u in live if "log" in u]
+    assert f'<div class="dfs-log">{"".join(reversed(rows))}</div>' == final[v.log]  # newest first
+    assert [u["seq"] for u in live] == list(range(len(live)))
+    assert len({u["run"] for u in live}) == 1
+    # Every update but the panes' own is small and carries no earlier token: the largest update
+    # of the second half of the run is no larger than the largest of the first half plus what its
+    # own new tokens and cycles take (the counters are of fixed size).
+    sizes = [(len(json.dumps(u)), u) for u in live]
+    half = len(sizes) // 2
+    first_half = max(size for size, _ in sizes[:half])
+    for size, u in sizes[half:]:
+        assert size <= first_half + len(u.get("dflash", "")) + len(u.get("ar", "")) + len(u.get("log", "")), size
+    # The page's greedy text is the engine's own greedy text (DFlash and the baseline alike).
+    engine = studio.service.engine(None)
+    expected = engine.decode(engine.generate(PROMPT, GenerationConfig(max_new_tokens=64), mode="ar").token_ids)
+    assert visible_text(final[v.dflash_text]) == expected
+    assert visible_text(final[v.ar_text]) == expected
+    assert "identical output" in final[v.speedup] and "faster than the target alone" in final[v.speedup]
+
+
+def test_stop_ends_the_engine_within_a_cycle(studio):
+    v = studio.views
+    engine = studio.service.engine(None)
+    updates = run_compare(studio, 1500, variant=(False, False, False))
+    for update in updates:
+        if v.live_update in update:
+            at_stop = engine.last_run["cycles"]  # the engine is ahead of the page
+            assert studio.stop(Request()).startswith("⏹")
+            break
+    rest = list(updates)
+    assert "stopped" in rest[-1][v.status]
+    assert engine.last_run["finish_reason"] == "cancelled"
+    assert engine.last_run["cycles"] <= at_stop + 2  # the cycle under way, then the cancelled event
+    assert not engine.busy
+    assert studio._stops == {}  # nothing kept per session once its run is over
+    assert studio.stop(Request()) == "Nothing is running."
+
+
+def test_a_closed_page_frees_the_engine_within_a_cycle(studio):
+    v = studio.views
+    engine = studio.service.engine(None)
+    updates = run_compare(studio, 1500, baseline=False)
+    for update in updates:
+        if v.live_update in update:
+            break
+    at_close = engine.last_run["cycles"]
+    updates.close()  # what Gradio does when the tab goes away
+    assert not engine.busy
+    assert engine.last_run["finish_reason"] == "abandoned"
+    assert engine.last_run["cycles"] <= at_close + 1
+    assert engine.last_run["tokens"] < 1500
+    assert studio._stops == {}
+
+
+def test_teaching_mode_shows_mask_slots_as_mask(studio):
+    engine = studio.service.engine(None)
+    mask_text = html.escape(engine.tokenizer.decode([engine.drafter.mask_token_id]))
+    state, step, formula, text = studio.teach_start(studio.service.registry.default, PROMPT, 8, 16)
+    assert state is not None and "MASK" in step
+    assert mask_text not in step  # SmolLM2's mask id would read <gh_stars>
