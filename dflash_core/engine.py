@@ -12,6 +12,7 @@ import threading
 from dataclasses import replace
 from typing import Any, Callable, Iterator
 
+from . import calibration
 from .errors import SettingsError
 from .loading import LoadedPair, Progress, load_pair
 from .lookup import LookupStats
@@ -158,16 +159,23 @@ class Engine:
 
     def verify_costs(self) -> list[float]:
         """Measured cost of verifying 1..B tokens on this machine (for adaptive drafting);
-        measured once per engine, the first time it is needed (call with the lock held)."""
+        measured on first need, or taken from the on-disk cache after a spot check (calibration.py; call with the lock held)."""
         if self._verify_costs is None:
-            self._verify_costs = measure_verify_costs(self.target.runner, self.drafter.block_size)
+            runner, block = self.target.runner, self.drafter.block_size
+            self._verify_costs = list(calibration.cached_costs(
+                self._calibration_key(), "verify", runner, lambda: measure_verify_costs(runner, block)))
         return self._verify_costs
+
+    def _calibration_key(self) -> str:
+        return calibration.machine_key(self.target.runner, self.pair.name, self.drafter.block_size)
 
     def tree_costs(self) -> tuple[float, float]:
         """Measured extra cost of a verified tree over a chain (branching, per further path), for
-        adaptive trees; measured once per engine, the first time it is needed (lock held)."""
+        adaptive trees; measured on first need or taken from the on-disk cache (calibration.py; lock held)."""
         if self._tree_costs is None:
-            self._tree_costs = measure_tree_costs(self.target.runner, self.drafter.block_size)
+            runner, block = self.target.runner, self.drafter.block_size
+            self._tree_costs = tuple(calibration.cached_costs(
+                self._calibration_key(), "tree", runner, lambda: list(measure_tree_costs(runner, block))))
         return self._tree_costs
 
     def generate(self, prompt: str, config: GenerationConfig, mode: str = "dflash", raw: bool = False,
