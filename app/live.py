@@ -83,3 +83,13 @@ def batches(run: BackgroundRun, per_s: float = UPDATES_PER_S):
     finally:
         if not run.done.is_set():
             run.abandon()
+
+
+def recorded_batches(run: BackgroundRun, record: Any, tokenizer: Any):
+    """``batches(run)`` recorded into ``record`` (a ``RunRecord``) as they come; yields what each
+    batch added: (new ``TokenView``s, new ``CycleRecord``s), the pieces a live update sends."""
+    for batch in batches(run):
+        shown_tokens, shown_cycles = len(record.tokens), len(record.cycles)
+        for at, event in batch:
+            record.add(event, tokenizer, at=at)
+        yield record.tokens[shown_tokens:], record.cycles[shown_cycles:]

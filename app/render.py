@@ -143,3 +143,30 @@ TIMING_NOTE = (
     "loads). Tokens/s excludes the prompt prefill (the first token), as in z-lab's benchmark. The race "
     "chart replays both runs on a common clock starting at zero."
 )
+
+
+# ------------------------------------------------------------------------------------- chat
+CHAT_PLACEHOLDER = "The conversation appears here: type a message below."
+
+
+def chat_turn_html(turn: dict) -> str:
+    """One finished turn: the user's text as typed, or the assistant's coloured tokens."""
+    role = turn["role"]
+    if role == "assistant":
+        body = f'<div class="dfs-text">{turn.get("html", "")}</div>'
+    else:
+        body = f'<div class="dfs-chat-said">{_esc(turn["content"])}</div>'
+    note = f'<div class="dfs-chat-note">{_esc(turn["note"])}</div>' if turn.get("note") else ""
+    return f'<div class="dfs-chat-turn dfs-chat-{_esc(role)}"><div class="dfs-chat-role">{_esc(role)}</div>{body}{note}</div>'
+
+
+def chat_html(history: list[dict], run_id: int | None = None) -> str:
+    """The conversation; with ``run_id``, it ends in an empty assistant pane (tagged with the run)
+    that live updates append the answer's tokens to."""
+    turns = [chat_turn_html(t) for t in history]
+    if run_id is not None:
+        turns.append('<div class="dfs-chat-turn dfs-chat-assistant"><div class="dfs-chat-role">assistant</div>'
+                     f'<div class="dfs-text" data-run="{run_id}" data-placeholder="…"></div></div>')
+    if not turns:
+        return f'<div class="dfs-chat dfs-empty">{_esc(CHAT_PLACEHOLDER)}</div>'
+    return f'<div class="dfs-chat">{"".join(turns)}</div>'

@@ -25,6 +25,7 @@ from dflash_core.prompting import max_new_tokens_limit
 from dflash_core.speculative import GenerationConfig
 
 from . import charts, render
+from .chat import AR_PLACEHOLDER, Chat, ChatViews, thinking_box
 from .live import BackgroundRun, batches
 from .recording import IncrementalDetokenizer, RunRecord
 from .service import StudioService
@@ -52,14 +53,16 @@ EXAMPLES = [
 
 # Applies a live update (see Studio.compare) in the browser: appends the new tokens to the text
 # panes and puts the new cycles on top of the log, in arrival order, into the panes of the run
-# they belong to (a pane is emptied, and tagged with its run, at the start of every run).
+# they belong to (a pane is emptied, and tagged with its run, at the start of every run). An
+# update may name its panes ({key: CSS selector}, as the Chat tab's do); else the Live tab's.
 APPLY_LIVE_UPDATE_JS = """
 (payload) => {
   const live = window.dfsLive || (window.dfsLive = {queue: [], drain: null});
   live.drain = live.drain || (() => {
-    const panes = {dflash: '#dfs-dflash .dfs-text', ar: '#dfs-ar .dfs-text', log: '#dfs-log .dfs-log'};
+    const livePanes = {dflash: '#dfs-dflash .dfs-text', ar: '#dfs-ar .dfs-text', log: '#dfs-log .dfs-log'};
     while (live.queue.length) {
       const update = live.queue[0];
+      const panes = update.panes || livePanes;  // the Chat tab names its own panes
       const parts = Object.keys(panes).filter((key) => update[key]);
       const boxes = parts.map((key) => document.querySelector(panes[key]));
       if (boxes.some((box) => box && Number(box.dataset.run) > update.run)) { live.queue.shift(); continue; }
@@ -87,6 +90,7 @@ APPLY_LIVE_UPDATE_JS = """
   return [];
 }
 """
+THINKING_UNTIL_LOADED = "Thinking mode: available once the pair has loaded, if its chat template has the switch."
 VARIANTS = {  # the Live tab's variant switch: (adaptive, tree, lookup)
     "fastest": (True, True, True),
     "plain": (False, False, False),
@@ -132,6 +136,7 @@ class Studio:
         self._stops: dict[str, threading.Event] = {}
         self._run_ids = itertools.count(1)
         self.views: LiveViews | None = None  # set by build_app
+        self.chat: Chat | None = None  # the Chat tab's handlers, set by build_studio
 
     # ------------------------------------------------------------------------------ helpers
     def wait_for_engine(self, pair: str) -> Iterator[str | Any]:
@@ -165,21 +170,23 @@ class Studio:
 
     # ------------------------------------------------------------------- the compare handler
     def compare(self, pair, prompt, block, temperature, max_new, seed, baseline, adaptive, tree, lookup,
-                request: gr.Request):  # noqa: ANN001
+                request: gr.Request, thinking=None):  # noqa: ANN001
         """Generator for the Live tab: DFlash, then the baseline, each run by the engine in its
-        own thread while the page gets what is new at most ``UPDATES_PER_S`` times a second."""
+        own thread while the page gets what is new at most ``UPDATES_PER_S`` times a second.
+        ``thinking``: the thinking-mode box (None: the pair's setting; Gradio passes the inputs
+        other than ``request`` in order, so it comes after ``lookup``)."""
         session = getattr(request, "session_hash", None) or "default"
         stop = threading.Event()
         self._stops[session] = stop
         try:
             yield from self._compare(stop, pair, prompt, block, temperature, max_new, seed, baseline,
-                                     adaptive, tree, lookup)
+                                     adaptive, tree, lookup, thinking)
         finally:
             if self._stops.get(session) is stop:
                 del self._stops[session]
 
     def _compare(self, stop: threading.Event, pair, prompt, block, temperature, max_new, seed, baseline,  # noqa: ANN001
-                 adaptive, tree, lookup):
+                 adaptive, tree, lookup, thinking=None):
         v = self.views
         try:
             engine = None
@@ -190,8 +197,10 @@ class Studio:
                     engine = item
             cfg = replace(self.config(block, temperature, max_new, seed), adaptive=bool(adaptive), tree=bool(tree),
                           lookup=bool(lookup))
-            ids, cfg = engine.prepare(prompt, cfg, "dflash")
-            ar_cfg = engine.prepare(prompt, cfg, "ar")[1]
+            # The box is only enabled where the template has the switch; elsewhere the pair decides.
+            choice = bool(thinking) if thinking is not None and engine.thinking_switch else None
+            ids, cfg = engine.prepare(prompt, cfg, "dflash", enable_thinking=choice)
+            ar_cfg = engine.prepare(prompt, cfg, "ar", enable_thinking=choice)[1]
         except DFlashError as exc:
             yield {v.status: f"⚠️ {exc}"}
             return
@@ -400,6 +409,8 @@ def build_studio(service: StudioService | None = None) -> tuple[Studio, gr.Block
                                            "continuations as a tree in one target pass (same output)", elem_id="dfs-tree")
                         lookup = gr.Checkbox(value=True, label="Prompt lookup: also check, in the same pass, what followed "
                                              "the last tokens where they occurred before (same output)", elem_id="dfs-lookup")
+                    thinking = gr.Checkbox(value=False, interactive=False, label="Thinking mode", elem_id="dfs-thinking",
+                                           info=THINKING_UNTIL_LOADED)
                     with gr.Row():
                         go_btn = gr.Button("Generate", variant="primary", elem_id="dfs-generate")
                         stop_btn = gr.Button("Stop", variant="stop", elem_id="dfs-stop")
@@ -424,6 +435,49 @@ def build_studio(service: StudioService | None = None) -> tuple[Studio, gr.Block
                 p_phase = gr.Plot(label="Drafter vs verifier time", elem_id="dfs-plot-phase")
                 p_race = gr.Plot(label="The race", elem_id="dfs-plot-race")
 
+        with gr.Tab("Chat"):
+            with gr.Row():
+                with gr.Column(scale=1, min_width=300):
+                    c_pair = gr.Dropdown(choices=choices, value=default, label="Target / drafter pair")
+                    c_system = gr.Textbox(label="System prompt", lines=3, elem_id="dfs-chat-system",
+                                          placeholder="Empty: the chat template's own default")
+                    c_block = gr.Slider(1, service.max_block_size(default), value=service.max_block_size(default),
+                                        step=1, label="Block size (1 = autoregressive)")
+                    c_temperature = gr.Slider(0.0, 2.0, value=0.0, step=0.05, label="Temperature (0 = greedy)")
+                    c_max = gr.Slider(1, limit, value=min(256, limit), step=1, label="Max new tokens per answer",
+                                      elem_id="dfs-chat-max-new")
+                    c_seed = gr.Number(value=0, precision=0, label="Seed (sampling)")
+                    c_variant = gr.Radio(
+                        [("Fastest here: tree + prompt lookup + adaptive (same output)", "fastest"),
+                         ("Plain DFlash, as published", "plain")],
+                        value="fastest", label="Variant", elem_id="dfs-chat-variant")
+                    c_baseline = gr.Checkbox(value=False, elem_id="dfs-chat-baseline",
+                                             label="Also run the autoregressive baseline for each answer (after it) "
+                                                   "and show the speedup")
+                    c_thinking = gr.Checkbox(value=False, interactive=False, label="Thinking mode",
+                                             elem_id="dfs-chat-thinking", info=THINKING_UNTIL_LOADED)
+                    c_status = gr.Markdown(elem_id="dfs-chat-status")
+                with gr.Column(scale=2):
+                    gr.HTML(render.LEGEND)
+                    c_conv = gr.HTML(render.chat_html([]), elem_id="dfs-chat-conv")
+                    c_message = gr.Textbox(label="Message", lines=2, elem_id="dfs-chat-message",
+                                           placeholder="Type a message, then press Send")
+                    with gr.Row():
+                        c_send = gr.Button("Send", variant="primary", elem_id="dfs-chat-send")
+                        c_stop = gr.Button("Stop", variant="stop", elem_id="dfs-chat-stop")
+                        c_regen = gr.Button("Regenerate", elem_id="dfs-chat-regenerate")
+                        c_clear = gr.Button("Clear", elem_id="dfs-chat-clear")
+                    c_counters = gr.HTML(render.counters_html(None, "DFlash"), elem_id="dfs-chat-counters")
+                    c_speedup = gr.HTML(render.speedup_html(None, None, None), elem_id="dfs-chat-speedup")
+                    with gr.Row():
+                        with gr.Column():
+                            c_log = gr.HTML(render.cycle_log_html(None), elem_id="dfs-chat-log")
+                        with gr.Column():
+                            c_ar_counters = gr.HTML(render.counters_html(None, "Autoregressive"))
+                            c_ar_text = gr.HTML(render.tokens_html(None, AR_PLACEHOLDER), elem_id="dfs-chat-ar")
+                    c_live = gr.Textbox(visible="hidden", elem_id="dfs-chat-live-update")
+                    c_history = gr.State([])
+
         with gr.Tab("Teaching mode"):
             gr.Markdown(explanation_md())
             with gr.Row():
@@ -440,13 +494,21 @@ def build_studio(service: StudioService | None = None) -> tuple[Studio, gr.Block
             t_formula = gr.Markdown()
             t_text = gr.HTML()
 
-        status_timer.tick(studio.model_status, None, [model_status, status_timer], queue=False, api_visibility="private")
+        def tick(live_pair: str, chat_pair: str) -> tuple:
+            # The thinking boxes follow the default pair's loading (each tick until it is ready).
+            return (*studio.model_status(), thinking_box(service, live_pair), thinking_box(service, chat_pair))
+
+        status_timer.tick(tick, [pair, c_pair], [model_status, status_timer, thinking, c_thinking], queue=False,
+                          api_visibility="private")
+        pair.change(lambda p: thinking_box(service, p, load=True), pair, thinking, api_visibility="private")
+        c_pair.change(lambda p: thinking_box(service, p, load=True), c_pair, c_thinking, api_visibility="private")
         studio.views = LiveViews(status=status, dflash_text=d_text, dflash_counters=d_counters, ar_text=a_text,
                                  ar_counters=a_counters, speedup=speedup, log=log, live_update=live_update,
                                  plot_accept=p_accept, plot_hist=p_hist, plot_phase=p_phase, plot_race=p_race)
         # No progress overlays on the outputs: the status line says what runs, and the browser
         # keeps its time for the live updates.
-        go_btn.click(gpu(studio.compare), [pair, prompt, block, temperature, max_new, seed, baseline, adaptive, tree, lookup],
+        go_btn.click(gpu(studio.compare), [pair, prompt, block, temperature, max_new, seed, baseline, adaptive, tree, lookup,
+                                           thinking],
                      studio.views.all(), show_progress="hidden",
                      concurrency_id="engine", concurrency_limit=1, api_visibility="private")
         live_update.change(None, live_update, None, js=APPLY_LIVE_UPDATE_JS, queue=False, api_visibility="private")
@@ -459,6 +521,19 @@ def build_studio(service: StudioService | None = None) -> tuple[Studio, gr.Block
                      api_visibility="private")
         t_prev.click(lambda s: studio.teach_move(s, -1), t_state, [t_state, t_step, t_formula, t_text],
                      api_visibility="private")
+        chat = studio.chat = Chat(studio, VARIANTS, variant_name)
+        chat.views = ChatViews(conversation=c_conv, history=c_history, message=c_message, status=c_status,
+                               counters=c_counters, ar_counters=c_ar_counters, ar_text=c_ar_text, speedup=c_speedup,
+                               log=c_log, live_update=c_live)
+        chat_settings = [c_system, c_block, c_temperature, c_max, c_seed, c_baseline, c_variant, c_thinking]
+        for trigger in (c_send.click, c_message.submit):
+            trigger(gpu(chat.send), [c_pair, c_message, c_history, *chat_settings], chat.views.all(), show_progress="hidden",
+                    concurrency_id="engine", concurrency_limit=1, api_visibility="private")
+        c_regen.click(gpu(chat.regenerate), [c_pair, c_history, *chat_settings], chat.views.all(), show_progress="hidden",
+                      concurrency_id="engine", concurrency_limit=1, api_visibility="private")
+        c_clear.click(chat.clear, None, chat.views.all(), queue=False, api_visibility="private")
+        c_stop.click(studio.stop, None, c_status, queue=False, api_visibility="private")
+        c_live.change(None, c_live, None, js=APPLY_LIVE_UPDATE_JS, queue=False, api_visibility="private")
         gr.api(gpu(studio.api_generate), api_name="generate", concurrency_id="engine", concurrency_limit=1)
         gr.api(service.engines_status, api_name="status", queue=False)
     return studio, demo

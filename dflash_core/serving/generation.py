@@ -24,7 +24,9 @@ def prepare(engine: Engine, request: Request) -> tuple[list[int], GenerationConf
     """Prompt ids and the validated config, with the checks of ``Engine.prepare`` (which takes a
     single prompt text, where a chat request brings a conversation)."""
     if request.kind == "chat":
-        ids = encode_messages(engine.tokenizer, request.messages, request.thinking)
+        # No ``thinking`` in the request: the pair's setting (what its drafter was trained with),
+        # as the CLI and the studio do, not the template's default.
+        ids = encode_messages(engine.tokenizer, request.messages, engine.thinking(request.thinking))
     else:
         if request.thinking is not None:
             raise SettingsError("thinking applies to chat messages only; leave it out of /v1/completions")
