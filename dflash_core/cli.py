@@ -12,27 +12,8 @@ import os
 import sys
 from typing import Any, Sequence
 
+from .console import log, quiet_libraries
 from .errors import DFlashError
-
-
-def _log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
-def _quiet_libraries() -> None:
-    # Library chatter (deprecations, progress bars of weight loading) would bury our own messages.
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    try:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.set_verbosity_error()
-        hf_logging.disable_progress_bar()
-    except ImportError:
-        pass
 
 
 # ------------------------------------------------------------------------------------------ pairs
@@ -123,7 +104,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     # upper bound (the drafter's) and the context length are checked once they are known.
     check_prompt_text(args.prompt)
     config.validated(max_block_size=1 << 20, max_new_tokens_limit=max_new_tokens_limit())
-    engine = Engine.from_registry(args.pair, args.registry, progress=_log)
+    engine = Engine.from_registry(args.pair, args.registry, progress=log)
     ids, config = engine.prepare(args.prompt, config, args.mode, args.raw, args.thinking)
     events = engine.stream_ids(ids, config)
     if args.json:
@@ -153,7 +134,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     summary = f"[{args.mode}] {len(result.token_ids)} tokens, {rate:.1f} tok/s, finish={result.finish_reason}"
     if args.mode == "dflash":
         summary += f", tau={result.tau:.2f} over {len(result.cycles)} cycles"
-    _log(summary)
+    log(summary)
     return 0
 
 
@@ -171,11 +152,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
     name = service.registry.get(args.pair).name  # an unknown pair fails here, before the server starts
     service.preload(name)
     if args.host not in LOOPBACK and not os.environ.get("DFLASH_API_KEY"):
-        _log(f"warning: serving on {args.host} without an API key: anyone who can reach this port can generate "
-             f"(set DFLASH_API_KEY to require one)")
-    _log(f"OpenAI-compatible API on http://{args.host}:{args.port}/v1 (models: {', '.join(service.registry.pairs)}; "
-         f"loading {name} in the background)")
+        log(f"warning: serving on {args.host} without an API key: anyone who can reach this port can generate "
+            f"(set DFLASH_API_KEY to require one)")
+    log(f"OpenAI-compatible API on http://{args.host}:{args.port}/v1 (models: {', '.join(service.registry.pairs)}; "
+        f"loading {name} in the background)")
     uvicorn.run(build_app(service), host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
+# -------------------------------------------------------------------------------------- export-hf
+def cmd_export_hf(args: argparse.Namespace) -> int:
+    import torch
+
+    from .hf_export import export_hf_assistant
+
+    info = export_hf_assistant(args.drafter, args.out, dtype=getattr(torch, args.dtype))
+    for note in info["notes"]:
+        log(f"note: {note}")
+    print(json.dumps(info, indent=2))
     return 0
 
 
@@ -225,20 +219,27 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_parser(sub)
     from .bench.cli import add_bench_parser, add_bench_report_parser
 
+    x = sub.add_parser("export-hf", help="write a drafter as transformers' own DFlash assistant "
+                                         "(generate(..., assistant_model=A, speculation_type='dflash'))")
+    x.add_argument("--drafter", required=True, help="drafter directory in the z-lab format")
+    x.add_argument("--out", required=True, help="directory for the assistant (config.json + safetensors)")
+    x.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    x.set_defaults(func=cmd_export_hf)
+
     add_bench_parser(sub)
     add_bench_report_parser(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    _quiet_libraries()
+    quiet_libraries()
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except DFlashError as exc:
-        _log(f"error: {exc}")
+        log(f"error: {exc}")
         return 2
     except KeyboardInterrupt:
-        _log("interrupted")
+        log("interrupted")
         return 130
