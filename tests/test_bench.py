@@ -84,3 +84,37 @@ def test_a_greedy_variant_that_differs_from_ar_is_reported_by_name():
     differs = summarize([record(0, [1, 2, 3]), record(1, [1, 2, 4])], block_size=16, temperature=0.0)
     assert differs["lossless"] is False
     assert differs["mismatched_prompts"] == [1] and differs["mismatched_by_method"] == {"dflash_tree": [1]}
+
+
+def test_peer_summary_keys_ratios_and_where_peers_part_from_ar():
+    """hf_dflash's tau comes from its own cycles; llama.cpp ratios are of decode speeds (prefill
+    excluded); a peer that parts from AR is reported with the first token where it does."""
+    from dflash_core.bench.runner import MethodRun, PromptRecord, summarize
+    from dflash_core.speculative import GenerationResult
+
+    r = PromptRecord(0, 5)
+    r.runs = {"ar": MethodRun("ar", [1, 2, 3, 4, 5], 1.0, decode_seconds=0.8, result=GenerationResult([1, 2, 3, 4, 5], "length")),
+              "dflash": MethodRun("dflash", [1, 2, 3, 4, 5], 0.5, decode_seconds=0.4, result=GenerationResult([1, 2, 3, 4, 5], "length")),
+              "hf_dflash": MethodRun("hf_dflash", [1, 2, 3, 4, 5], 2.0, decode_seconds=1.6, acceptance_lengths=[1, 3]),
+              "llama_cpp": MethodRun("llama_cpp", [1, 2, 9, 4, 5], 0.6, decode_seconds=0.2)}
+    s = summarize([r], block_size=16, temperature=0.0)
+    assert s["tau_hf_dflash"] == 2.0
+    assert s["speedup_vs_hf_dflash"] == pytest.approx(4.0)
+    assert s["decode_tokens_per_s"]["llama_cpp"] == pytest.approx(20.0)
+    assert s["speedup_vs_llama_cpp"] == {"ar": pytest.approx(0.25), "dflash": pytest.approx(0.5), "hf_dflash": pytest.approx(0.125)}
+    assert s["fastest_variant"] == "dflash" and s["fastest_variant_vs_llama_cpp"] == pytest.approx(0.5)
+    assert s["llama_cpp_differs_from_ar"] == {0: 2} and s["llama_cpp_compared_prompts"] == 1
+    assert s["hf_dflash_differs_from_ar"] == {}
+    assert s["lossless"] is True  # peers are not our variants: their differences are reported, not failures
+
+
+def test_llama_cpp_method_without_llama_cpp_python_names_the_make_target(monkeypatch):
+    import sys
+
+    from dflash_core.bench.llama_cpp_peer import LlamaCppPeer, PeerUnavailableError
+    from dflash_core.errors import DFlashError
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # what an environment without the extra sees
+    with pytest.raises(PeerUnavailableError, match=r"make peers.*pip install -e '\.\[peers\]'") as info:
+        LlamaCppPeer("model.gguf", threads=1)
+    assert isinstance(info.value, DFlashError)

@@ -1,4 +1,5 @@
-"""``python -m dflash_core bench``: DFlash vs the same engine's AR, HF generate() and prompt lookup."""
+"""``python -m dflash_core bench``: DFlash vs the same engine's AR, HF generate(), prompt lookup,
+transformers' own DFlash and llama.cpp."""
 
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ def add_bench_parser(sub: Any) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from ..cli import _log
+    from ..console import log
     from ..engine import Engine
     from ..errors import SettingsError
     from ..speculative import GenerationConfig
@@ -60,17 +61,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise SettingsError(f"--limit {args.limit}: must be at least 1")
     rules = tuple(r.strip() for r in args.rules.split(",") if r.strip())
     prompts = load_bench_prompts(args.prompts)[args.offset : args.offset + args.limit]
-    engine = Engine.from_registry(args.pair, args.registry, progress=_log)
+    engine = Engine.from_registry(args.pair, args.registry, progress=log)
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, block_size=args.block_size,
                               temperature=args.temperature, seed=args.seed)
     if config.block_size is None:
         config = GenerationConfig(**{**config.__dict__, "block_size": engine.max_block_size})
     config = config.validated(engine.drafter.block_size)
     bench = Bench(engine, config, args.methods, args.prompt_lookup_tokens, rules if args.temperature > 0 else ("match",))
-    _log(f"bench: {len(prompts)} prompts ({sum(p.turns for p in prompts)} turns) from {args.prompts}, "
-         f"methods {','.join(args.methods)}, "
-         f"B={config.block_size}, T={config.temperature}, {args.max_new_tokens} new tokens")
-    records = bench.run(prompts, warmup=args.warmup, log=_log)
+    log(f"bench: {len(prompts)} prompts ({sum(p.turns for p in prompts)} turns) from {args.prompts}, "
+        f"methods {','.join(args.methods)}, "
+        f"B={config.block_size}, T={config.temperature}, {args.max_new_tokens} new tokens")
+    records = bench.run(prompts, warmup=args.warmup, log=log)
     summary = summarize(records, config.block_size, config.temperature)
     settings = {
         "command": "python -m dflash_core " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
@@ -81,13 +82,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "runner": type(engine.target.runner).__name__, "threads": torch.get_num_threads(),
         "machine": hardware_summary(), "torch": torch.__version__,
     }
+    if "llama_cpp" in args.methods:
+        from importlib.metadata import version
+
+        settings["llama_cpp_python"] = version("llama_cpp_python")
     write_results(args.out, settings, summary, records)
     write_html(args.out, settings, summary, records)
     (args.out / "summary.md").write_text(markdown_summary(settings, summary), encoding="utf-8")
     print(json.dumps(summary, indent=2))
     if summary.get("lossless") is False:
-        _log(f"WARNING: greedy DFlash output differed from AR on prompts {summary['mismatched_prompts']} "
-             f"(by method: {summary.get('mismatched_by_method')})")
+        log(f"WARNING: greedy DFlash output differed from AR on prompts {summary['mismatched_prompts']} "
+            f"(by method: {summary.get('mismatched_by_method')})")
     return 0
 
 

@@ -17,6 +17,7 @@ budget before drafting; their last one or two cycles can therefore count differe
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -30,9 +31,16 @@ class CycleCounter(BaseStreamer):
     def __init__(self, max_new_tokens: int) -> None:
         self.max_new_tokens = max_new_tokens
         self.puts: list[int] = []
+        self.times: list[float] = []  # perf_counter at each put: the decode time, prefill excluded
 
     def put(self, value: torch.Tensor) -> None:
         self.puts.append(int(value.numel()))
+        self.times.append(time.perf_counter())
+
+    @property
+    def decode_seconds(self) -> float:
+        """From the first generated token (the prefill's) to the last."""
+        return self.times[-1] - self.times[1] if len(self.times) > 1 else 0.0
 
     def end(self) -> None:
         pass
@@ -53,6 +61,7 @@ class CycleCounter(BaseStreamer):
 class HFDFlashResult:
     token_ids: list[int]
     acceptance_lengths: list[int] = field(default_factory=list)
+    decode_seconds: float = 0.0
 
     @property
     def tau(self) -> float:
@@ -76,4 +85,4 @@ def hf_dflash_generate(model: Any, assistant: Any, prompt_ids: Sequence[int], ma
     counter = CycleCounter(max_new_tokens)
     with torch.inference_mode():
         out = model.generate(input_ids, assistant_model=assistant, speculation_type="dflash", streamer=counter, **kwargs)
-    return HFDFlashResult(out[0, input_ids.shape[1]:].tolist(), counter.acceptance_lengths)
+    return HFDFlashResult(out[0, input_ids.shape[1]:].tolist(), counter.acceptance_lengths, counter.decode_seconds)

@@ -11,7 +11,8 @@ import plotly.graph_objects as go
 
 from .runner import PromptRecord, fastest_variant
 
-COLORS = {"dflash": "#2e9d5b", "ar": "#888888", "hf_generate": "#3468c0", "prompt_lookup": "#e39b2d"}
+COLORS = {"dflash": "#2e9d5b", "ar": "#888888", "hf_generate": "#3468c0", "prompt_lookup": "#e39b2d",
+          "hf_dflash": "#8e44ad", "llama_cpp": "#c0392b"}
 
 
 def records_json(records: list[PromptRecord]) -> list[dict[str, Any]]:
@@ -27,6 +28,11 @@ def records_json(records: list[PromptRecord]) -> list[dict[str, Any]]:
                 entry["acceptance_lengths"] = run.result.acceptance_lengths
                 entry["draft_s"] = round(sum(c.draft_s for c in run.result.cycles), 5)
                 entry["verify_s"] = round(sum(c.verify_s for c in run.result.cycles), 5)
+            elif run.decode_seconds is not None:  # a peer that times its first token (hf_dflash, llama_cpp)
+                entry["decode_seconds"] = round(run.decode_seconds, 5)
+            if run.result is None and run.acceptance_lengths is not None:
+                entry["tau"] = round(sum(run.acceptance_lengths) / len(run.acceptance_lengths), 4) if run.acceptance_lengths else 1.0
+                entry["acceptance_lengths"] = run.acceptance_lengths
             row["methods"][name] = entry
         if "dflash" in r.runs and "ar" in r.runs:
             row["dflash_equals_ar"] = r.runs["dflash"].tokens == r.runs["ar"].tokens
@@ -114,8 +120,38 @@ def markdown_summary(settings: dict[str, Any], summary: dict[str, Any]) -> str:
     extra = {k: v for k, v in summary.items() if k.startswith(("tau_", "speedup_dflash"))}
     if extra:
         lines += ["", "| " + " | ".join(extra) + " |", "|" + "---|" * len(extra), "| " + " | ".join(str(v) for v in extra.values()) + " |"]
+    lines += _peer_lines(summary)
     lines += ["", f"Acceptance-length histogram (1..B): {summary.get('acceptance_histogram')}"]
     return "\n".join(lines) + "\n"
+
+
+def _peer_lines(summary: dict[str, Any]) -> list[str]:
+    """transformers' DFlash and llama.cpp beside ours, when the run measured them."""
+    lines: list[str] = []
+    if summary.get("tau_hf_dflash") is not None:
+        lines += ["", "| transformers DFlash tau | ours tau | DFlash / transformers DFlash | fastest variant / transformers DFlash | "
+                      "transformers DFlash parts from AR (prompt: first token) |",
+                  "|---|---|---|---|---|",
+                  f"| {summary['tau_hf_dflash']} | {summary.get('tau')} | {summary.get('speedup_vs_hf_dflash')} | "
+                  f"{summary.get('fastest_variant_vs_hf_dflash')} | {_parted(summary, 'hf_dflash')} |"]
+    vs_llama = summary.get("speedup_vs_llama_cpp")
+    if vs_llama:
+        decode = summary.get("decode_tokens_per_s", {})
+        lines += ["", f"Decode tokens/s (prefill excluded) against llama.cpp on the same GGUF "
+                      f"({decode.get('llama_cpp')} tok/s); llama.cpp's greedy text parts from our AR on "
+                      f"{_parted(summary, 'llama_cpp')}; fastest variant / llama.cpp: "
+                      f"{summary.get('fastest_variant_vs_llama_cpp')}.", "",
+                  "| method | decode tokens/s | / llama.cpp |", "|---|---|---|"]
+        lines += [f"| {m} | {decode.get(m)} | {v} |" for m, v in vs_llama.items()]
+    return lines
+
+
+def _parted(summary: dict[str, Any], peer: str) -> str:
+    parted, compared = summary.get(f"{peer}_differs_from_ar"), summary.get(f"{peer}_compared_prompts")
+    if parted is None:
+        return "–"
+    where = ", ".join(f"{i}: {at}" for i, at in parted.items())
+    return f"{len(parted)} of {compared} prompts" + (f" ({where})" if where else "")
 
 
 def _section_title(settings: dict[str, Any]) -> str:
@@ -163,8 +199,9 @@ def benchmarks_markdown(runs: list[dict[str, Any]], drafter_info: dict[str, Any]
                   "| run | tau | AR tok/s | DFlash tok/s | DFlash / AR | adaptive / AR | tree tau | tree / AR | "
                   "tree adaptive / AR | lookup adaptive / AR | tree lookup adaptive / AR | pq tau | pq / AR | "
                   "DFlash / HF generate | DFlash / prompt lookup | AR / HF generate | fastest variant | "
-                  "its / AR | its / HF generate | its / prompt lookup | lossless |",
-                  "|" + "---|" * 21]
+                  "its / AR | its / HF generate | its / prompt lookup | lossless | transformers DFlash tau | "
+                  "DFlash / transformers DFlash | its / llama.cpp (decode) |",
+                  "|" + "---|" * 24]
         for run in runs:
             s, m = run["settings"], run["summary"]
             tps = m["tokens_per_s"]
@@ -178,6 +215,7 @@ def benchmarks_markdown(runs: list[dict[str, Any]], drafter_info: dict[str, Any]
                 cell(m.get("speedup_vs_prompt_lookup")), cell(m.get("ar_vs_hf_generate")), cell(m.get("fastest_variant")),
                 cell(m.get("fastest_variant_vs_ar")), cell(m.get("fastest_variant_vs_hf_generate")),
                 cell(m.get("fastest_variant_vs_prompt_lookup")), cell(m.get("lossless")),
+                cell(m.get("tau_hf_dflash")), cell(m.get("speedup_vs_hf_dflash")), cell(m.get("fastest_variant_vs_llama_cpp")),
             ]) + " |")
         lines.append("")
     for run in runs:

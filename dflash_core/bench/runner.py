@@ -6,6 +6,10 @@ Methods (all greedy unless a temperature is given; all on the same loaded target
 * ``ar`` — the same engine, block size 1 (the target alone, our own loop);
 * ``hf_generate`` — transformers ``model.generate()``, what most users run today;
 * ``prompt_lookup`` — transformers prompt-lookup decoding (``prompt_lookup_num_tokens``);
+* ``hf_dflash`` — transformers' own DFlash loop (``generate(speculation_type="dflash")``) with the
+  pair's drafter converted to its assistant class (``hf_export.py``; see ``hf_dflash.py``);
+* ``llama_cpp`` — llama.cpp on the same GGUF file (``llama_cpp_peer.py``; ``make peers``), the
+  only method not on our loaded weights;
 * ``dflash_adaptive`` — DFlash verifying only the drafts worth their measured cost;
 * ``dflash_tree`` / ``dflash_tree_adaptive`` — DFlash verifying a tree of the drafter's likeliest
   continuations (``tree.py``), of the block's size or of the size worth its cost;
@@ -36,7 +40,8 @@ from .prompts import BenchPrompt
 # DFlash variants are "dflash" plus any of the suffixes, in this order: _tree, _lookup, _adaptive.
 DFLASH_VARIANTS = ("dflash_adaptive", "dflash_tree", "dflash_tree_adaptive", "dflash_lookup", "dflash_lookup_adaptive",
                    "dflash_tree_lookup", "dflash_tree_lookup_adaptive")
-METHODS = ("dflash", "ar", "hf_generate", "prompt_lookup") + DFLASH_VARIANTS
+PEERS = ("hf_generate", "prompt_lookup", "hf_dflash", "llama_cpp")  # what a user might run instead of us
+METHODS = ("dflash", "ar", "hf_generate", "prompt_lookup", "hf_dflash", "llama_cpp") + DFLASH_VARIANTS
 
 
 @dataclass
@@ -44,12 +49,18 @@ class MethodRun:
     method: str
     tokens: list[int]
     seconds: float  # end to end, prefill included
-    decode_seconds: float | None = None  # after the first token (engine methods only)
+    decode_seconds: float | None = None  # after the first token (engine methods, hf_dflash and llama_cpp)
     result: GenerationResult | None = None
+    acceptance_lengths: list[int] | None = None  # a peer's own DFlash cycles (hf_dflash)
 
     @property
     def tokens_per_s(self) -> float:
         return len(self.tokens) / self.seconds if self.seconds > 0 else float("nan")
+
+    @property
+    def lengths(self) -> list[int] | None:
+        """Acceptance length of each drafted cycle (ours or a peer's); None for methods without."""
+        return self.result.acceptance_lengths if self.result is not None else self.acceptance_lengths
 
 
 @dataclass
@@ -88,6 +99,36 @@ class Bench:
         self.prompt_lookup_tokens = prompt_lookup_tokens
         self.rules = rules
         self.timer = Timer(engine.target.runner.device)
+        self._assistant: Any = None  # transformers' DFlash assistant, converted on first use
+        self._llama: Any = None  # the llama.cpp peer, loaded on first use
+
+    # ------------------------------------------------------------------------------- peers
+    def _hf_dflash_run(self, ids: list[int]) -> MethodRun:
+        from ..hf_export import to_hf_assistant
+        from .hf_dflash import hf_dflash_generate
+
+        if self._assistant is None:
+            self._assistant = to_hf_assistant(self.engine.drafter)
+        result, seconds = self.timer(lambda: hf_dflash_generate(
+            self.engine.target.model, self._assistant, ids, self.config.max_new_tokens, self.engine.stop_ids,
+            self.config.temperature))
+        return MethodRun("hf_dflash", result.token_ids, seconds, result.decode_seconds,
+                         acceptance_lengths=result.acceptance_lengths)
+
+    def _llama_cpp_run(self, ids: list[int]) -> MethodRun:
+        from ..loading import resolve_gguf
+        from .llama_cpp_peer import LlamaCppPeer, PeerUnavailableError
+
+        if self.config.temperature > 0:
+            raise PeerUnavailableError("the llama_cpp bench method is greedy only (temperature 0)")
+        if self._llama is None:
+            source = self.engine.pair.target
+            if source.kind != "gguf":
+                raise PeerUnavailableError(f"the llama_cpp bench method runs the pair's GGUF file; pair "
+                                           f"{self.engine.pair.name!r} has a {source.kind} target")
+            self._llama = LlamaCppPeer(resolve_gguf(source), threads=torch.get_num_threads())
+        run = self._llama.generate(ids, self.config.max_new_tokens, self.engine.stop_ids)
+        return MethodRun("llama_cpp", run.token_ids, run.seconds, run.decode_seconds)
 
     # ---------------------------------------------------------------------------- methods
     def _engine_run(self, ids: list[int], mode: str, rule: str = "match", adaptive: bool = False, tree: bool = False,
@@ -140,6 +181,10 @@ class Bench:
             return [self._hf_run(ids, lookup=False)]
         if method == "prompt_lookup":
             return [self._hf_run(ids, lookup=True)]
+        if method == "hf_dflash":
+            return [self._hf_dflash_run(ids)]
+        if method == "llama_cpp":
+            return [self._llama_cpp_run(ids)]
         raise ValueError(f"unknown method {method!r}; allowed: {', '.join(METHODS)}")
 
     # ------------------------------------------------------------------------------- driver
@@ -190,15 +235,28 @@ def _ratio(a: float, b: float) -> float | None:
     return round(a / b, 4) if b and b == b and a == a else None
 
 
-def fastest_variant(tokens_per_s: dict[str, float]) -> dict[str, Any]:
+def fastest_variant(tokens_per_s: dict[str, float], decode_tokens_per_s: dict[str, float] | None = None) -> dict[str, Any]:
     """The fastest DFlash variant of a run and its speed against each peer (the variants are
-    settings a user can pick); empty when the run measured no DFlash variant."""
+    settings a user can pick); empty when the run measured no DFlash variant. Against llama.cpp
+    the ratio is of decode speeds (prefill excluded, as llama.cpp users measure it) when given."""
     measured = {m: v for m, v in tokens_per_s.items() if (m == "dflash" or m.startswith("dflash_")) and v == v}
     if not measured:
         return {}
     best = max(measured, key=measured.get)
-    return {"fastest_variant": best, **{f"fastest_variant_vs_{peer}": _ratio(measured[best], tokens_per_s.get(peer, float("nan")))
-                                        for peer in ("ar", "hf_generate", "prompt_lookup")}}
+    out = {"fastest_variant": best, **{f"fastest_variant_vs_{peer}": _ratio(measured[best], tokens_per_s.get(peer, float("nan")))
+                                       for peer in ("ar", "hf_generate", "prompt_lookup", "hf_dflash")}}
+    decode = decode_tokens_per_s or {}
+    out["fastest_variant_vs_llama_cpp"] = _ratio(decode.get(best, float("nan")), decode.get("llama_cpp", float("nan")))
+    return out
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """Index of the first token where two outputs part (the shorter length if one is a prefix
+    of the other); None when they are equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 def summarize(records: list[PromptRecord], block_size: int, temperature: float) -> dict[str, Any]:
@@ -208,6 +266,13 @@ def summarize(records: list[PromptRecord], block_size: int, temperature: float) 
                   sum(r.runs[m].seconds for r in records if m in r.runs)) for m in methods}
     tps = {m: (t / s if s > 0 else float("nan")) for m, (t, s) in totals.items()}
     summary: dict[str, Any] = {"prompts": len(records), "tokens_per_s": {m: round(v, 3) for m, v in tps.items()}}
+    # Decode speed, prefill excluded: tokens after the first over the time from the first to the
+    # last, for the methods that time their first token (engine methods, hf_dflash, llama_cpp).
+    timed = [m for m in methods if all(r.runs[m].decode_seconds is not None for r in records if m in r.runs)]
+    decode_totals = {m: (sum(max(len(r.runs[m].tokens) - 1, 0) for r in records if m in r.runs),
+                         sum(r.runs[m].decode_seconds for r in records if m in r.runs)) for m in timed}
+    dtps = {m: (t / s if s > 0 else float("nan")) for m, (t, s) in decode_totals.items()}
+    summary["decode_tokens_per_s"] = {m: round(v, 3) for m, v in dtps.items()}
     histogram = [0] * block_size
     draft_s = verify_s = 0.0
     cycles = 0
@@ -236,7 +301,15 @@ def summarize(records: list[PromptRecord], block_size: int, temperature: float) 
     summary["speedup_vs_hf_generate"] = _ratio(d, tps.get("hf_generate", float("nan")))
     summary["speedup_vs_prompt_lookup"] = _ratio(d, tps.get("prompt_lookup", float("nan")))
     summary["ar_vs_hf_generate"] = _ratio(tps.get("ar", float("nan")), tps.get("hf_generate", float("nan")))
-    summary.update(fastest_variant(tps))
+    # transformers' own DFlash loop with the same drafter: its tau and our speed against it.
+    hf_lengths = [n for r in records if "hf_dflash" in r.runs for n in (r.runs["hf_dflash"].lengths or [])]
+    summary["tau_hf_dflash"] = round(sum(hf_lengths) / len(hf_lengths), 4) if hf_lengths else None
+    summary["speedup_vs_hf_dflash"] = _ratio(d, tps.get("hf_dflash", float("nan")))
+    # llama.cpp on the same GGUF: every method's decode speed against it (prefill excluded).
+    llama = dtps.get("llama_cpp")
+    summary["speedup_vs_llama_cpp"] = ({m: _ratio(v, llama) for m, v in dtps.items() if m != "llama_cpp"}
+                                       if llama is not None else None)
+    summary.update(fastest_variant(tps, dtps))
     # Greedy, every DFlash variant (chain, adaptive, tree) must reproduce the AR output exactly.
     variants = [m for m in methods if m == "dflash" or m.startswith("dflash_")]
     by_variant = {v: [r.index for r in records if v in r.runs and "ar" in r.runs and r.runs[v].tokens != r.runs["ar"].tokens]
@@ -248,6 +321,15 @@ def summarize(records: list[PromptRecord], block_size: int, temperature: float) 
     summary["mismatched_by_method"] = {v: i for v, i in by_variant.items() if i} if summary["lossless_checked"] else None
     hf_diff = [r.index for r in records if "hf_generate" in r.runs and "ar" in r.runs and r.runs["hf_generate"].tokens != r.runs["ar"].tokens]
     summary["ar_differs_from_hf_generate"] = hf_diff if temperature == 0 else None
+    # Peers on other numerics part from our greedy AR at near-ties: where (prompt -> first token
+    # index that differs). hf_dflash runs transformers' forward on our weights; llama_cpp runs Q4_1
+    # natively where we run it dequantized.
+    for peer in ("hf_dflash", "llama_cpp"):
+        parted = {r.index: first_difference(r.runs[peer].tokens, r.runs["ar"].tokens)
+                  for r in records if peer in r.runs and "ar" in r.runs}
+        compared = temperature == 0 and bool(parted)
+        summary[f"{peer}_differs_from_ar"] = {i: at for i, at in parted.items() if at is not None} if compared else None
+        summary[f"{peer}_compared_prompts"] = len(parted) if compared else None
     return summary
 
 
