@@ -2,8 +2,9 @@
 
     python3 scripts/gpu_check.py --out runs/gpu_check.json
 
-It needs torch, transformers and pytest (the tests' tiny models come from tests/conftest.py); a
-lent GPU machine's own python3 has all three, and the project need not be installed there. ``--device cpu`` runs the same checks on the CPU, as the test
+It needs torch and transformers (the tiny models and drafters are the tests' own, from
+dflash_core/testing.py); a lent GPU machine's own python3 has both, and the project need not be
+installed there. ``--device cpu`` runs the same checks on the CPU, as the test
 suite does, so the script is known to work before a GPU is at hand.
 
 Checks, on CUDA: greedy DFlash == greedy AR for the fast and the generic runner, in bf16 and
@@ -30,7 +31,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # dflash_core and the tests' tiny models, uninstalled
+sys.path.insert(0, str(ROOT))  # dflash_core (and its tiny test models), uninstalled
 
 
 def main() -> None:
@@ -41,12 +42,10 @@ def main() -> None:
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         sys.exit("no CUDA device: this script checks the GPU path (--device cpu runs it on the CPU)")
-    from conftest import tiny_drafter, tiny_target
-    from test_speculative import OracleDrafter
-
     from dflash_core.bench.runner import Timer
     from dflash_core.speculative import GenerationConfig, collect, stream
     from dflash_core.target import FastTarget, HFTarget
+    from dflash_core.testing import OracleDrafter, tiny_drafter, tiny_target
 
     started = time.time()
     import transformers
@@ -118,19 +117,16 @@ def check_hybrid_families(device: torch.device, prompt: list[int], report: dict)
     families, with a random drafter (nearly every draft rejected: a rollback every cycle), one
     right except at every fifth position (rollbacks partway through blocks) and an oracle;
     returns the number of fp32 failures."""
-    from conftest import tiny_target
-    from test_hybrid_targets import SometimesRightDrafter, drafter_for
-    from test_speculative import OracleDrafter
-
     from dflash_core.speculative import GenerationConfig, collect, stream
     from dflash_core.target import HFTarget
+    from dflash_core.testing import OracleDrafter, SometimesRightDrafter, hybrid_drafter, tiny_target
 
     failures = 0
     report["hybrid_bf16"] = []
     for family in ("qwen3_5", "qwen3_5_moe", "qwen3_next", "gpt_oss"):
         for dtype in (torch.float32, torch.bfloat16):
             model = tiny_target(family, vocab=512, layers=4, seed=0, dtype=dtype)
-            base = drafter_for(model)
+            base = hybrid_drafter(model)
             model.to(device)
             runner = HFTarget(model)
             ar = collect(stream(runner, None, prompt, GenerationConfig(max_new_tokens=48, block_size=1).validated(16)))

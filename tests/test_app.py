@@ -159,11 +159,12 @@ def raw_call(url: str, args: tuple) -> str:
 
 
 def test_bad_input_is_refused_and_the_app_keeps_serving(client):
-    """Every row of the bad-input table (tests/test_bad_input.py), through the running app."""
+    """Every row of the bad-input table (dflash_core.testing.BAD_INPUT_ROWS), through the running app."""
     from gradio_client.exceptions import AppError
-    from test_bad_input import ROWS
 
-    for name, prompt, settings, message in ROWS:
+    from dflash_core.testing import BAD_INPUT_ROWS
+
+    for name, prompt, settings, message in BAD_INPUT_ROWS:
         s = {"max_new_tokens": 8, "block_size": 16, "temperature": 0.0, **settings}
         args = (prompt, s["max_new_tokens"], s["block_size"], s["temperature"], "")
         if not _json_safe(args):

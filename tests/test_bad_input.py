@@ -4,40 +4,18 @@ the CLI, and the engine keeps serving afterwards. The UI rows run in test_app.py
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 
 from dflash_core import cli
 from dflash_core.errors import DFlashError
 from dflash_core.speculative import GenerationConfig
+from dflash_core.testing import BAD_INPUT_ROWS
 
 pytestmark = pytest.mark.slow
 
-# (name, prompt, settings, expected message or None when the request must succeed)
-ROWS = [
-    ("empty prompt", "", {}, "the prompt is empty"),
-    ("whitespace prompt", "  \n\t ", {}, "the prompt is empty"),
-    ("prompt longer than the context", " ".join(str(i % 10) for i in range(15000)), {}, "the target accepts at most"),
-    ("prompt over the character limit", "lorem ipsum " * 4000, {}, "characters; the limit is 32,000"),
-    ("control characters", "\x00\x07\x1b[31m say hi \x7f", {}, None),
-    ("invalid surrogate", "hello \ud800 world", {}, "invalid Unicode"),
-    ("emoji", "🚀🔥 In one sentence, what is a rocket? 🌕", {}, None),
-    ("right-to-left text", "ما هي عاصمة فرنسا؟ שלום", {}, None),
-    ("max new tokens 0", "hi", {"max_new_tokens": 0}, "max_new_tokens = 0; allowed: an integer from 1 to"),
-    ("max new tokens negative", "hi", {"max_new_tokens": -5}, "max_new_tokens = -5"),
-    ("max new tokens huge", "hi", {"max_new_tokens": 10**9}, "max_new_tokens = 1000000000"),
-    ("block size 0", "hi", {"block_size": 0}, "block_size = 0; allowed: an integer from 1"),
-    ("block size 1 (autoregressive)", "hi", {"block_size": 1}, None),
-    ("block size non-integer", "hi", {"block_size": 2.5}, "block_size = 2.5"),
-    ("block size larger than the drafter", "hi", {"block_size": 64}, "what this drafter was trained for"),
-    ("temperature negative", "hi", {"temperature": -1.0}, "temperature = -1.0"),
-    ("temperature NaN", "hi", {"temperature": math.nan}, "temperature = nan"),
-    ("temperature huge", "hi", {"temperature": 1e6}, "temperature = 1000000.0"),
-]
 
-
-@pytest.mark.parametrize("name, prompt, settings, message", ROWS, ids=[r[0] for r in ROWS])
+@pytest.mark.parametrize("name, prompt, settings, message", BAD_INPUT_ROWS, ids=[r[0] for r in BAD_INPUT_ROWS])
 def test_python_api(smollm2_engine, name, prompt, settings, message):
     config = GenerationConfig(**{"max_new_tokens": 8, **settings})
     if message is None:
@@ -53,7 +31,7 @@ def test_python_api(smollm2_engine, name, prompt, settings, message):
 CLI_FLAGS = {"max_new_tokens": "--max-new-tokens", "block_size": "--block-size", "temperature": "--temperature"}
 
 
-CLI_ROWS = [r for r in ROWS if r[0] != "block size non-integer"]  # argparse refuses it first (tested below)
+CLI_ROWS = [r for r in BAD_INPUT_ROWS if r[0] != "block size non-integer"]  # argparse refuses it first (tested below)
 
 
 @pytest.mark.parametrize("name, prompt, settings, message", CLI_ROWS, ids=[r[0] for r in CLI_ROWS])
@@ -102,10 +80,10 @@ def test_cli_block_size_must_be_an_integer(capsys):
 
 
 def test_drafter_made_for_another_target_is_refused(tmp_path):
-    from conftest import tiny_drafter, tiny_target
-    from dflash_core.loading import load_drafter, load_target
-    from dflash_core.registry import load_registry, ModelSource
     from dflash_core.errors import DrafterMismatchError
+    from dflash_core.loading import load_drafter, load_target
+    from dflash_core.registry import ModelSource, load_registry
+    from dflash_core.testing import tiny_drafter, tiny_target
 
     tiny_drafter(tiny_target("llama")).save_pretrained(tmp_path / "wrong")
     target = load_target(load_registry().get("smollm2-135m-random").target, "bfloat16")
@@ -114,7 +92,7 @@ def test_drafter_made_for_another_target_is_refused(tmp_path):
 
 
 def test_corrupted_drafter_through_the_registry_is_refused(tmp_path, capsys):
-    from conftest import tiny_drafter, tiny_target
+    from dflash_core.testing import tiny_drafter, tiny_target
 
     folder = tmp_path / "drafter"
     tiny_drafter(tiny_target("llama")).save_pretrained(folder)

@@ -11,8 +11,8 @@ import json
 import pytest
 import torch
 
-from conftest import tiny_target
 from dflash_core.target import FastTarget
+from dflash_core.testing import tiny_target
 from dflash_core.training.batched_decode import ContinuousBatchDecoder, greedy_decode_stream
 from dflash_core.training.prompt_sources import Prompt
 from dflash_core.training.features import FeatureStore, build_feature_cache

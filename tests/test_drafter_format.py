@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
-from conftest import tiny_drafter, tiny_target
 from dflash_core.drafter import DFlashDrafter, default_target_layer_ids
 from dflash_core.errors import DrafterMismatchError, ModelLoadError
+from dflash_core.testing import tiny_drafter, tiny_target
 
 
 def _outputs(drafter):

@@ -29,12 +29,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import tiny_target
 from dflash_core import cli
 from dflash_core.drafter import DFlashDrafter, LayerAttention
 from dflash_core.errors import ModelLoadError
 from dflash_core.speculative import GenerationConfig, collect, stream
 from dflash_core.target import FastTarget, HFTarget
+from dflash_core.testing import tiny_chat_tokenizer, tiny_target
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, VOCAB = 64, 4, 2, 16, 96, 96
 TARGET_LAYER_IDS = [1, 2]
@@ -414,8 +414,6 @@ def test_greedy_dflash_equals_greedy_ar_with_every_schema(tmp_path, targets, sch
 
 def tiny_target_dir(directory: Path, family: str) -> Path:
     """A tiny random target saved with a tokenizer of 96 ids and a chat template."""
-    from test_thinking import tiny_chat_tokenizer
-
     model = tiny_target(family)
     model.save_pretrained(directory)
     tiny_chat_tokenizer().save_pretrained(directory)

@@ -21,7 +21,6 @@ from dflash_core.drafter import DFlashDrafter
 from dflash_core.training.gen_data import GenDataOptions, generate_shards
 from dflash_core.training.prompt_sources import Prompt, write_prompts
 from dflash_core.training.shards import DataDir, read_samples
-from test_recipe import tiny_chat_target  # noqa: F401  (a module-scoped fixture)
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "gpu_train.py"
 

@@ -5,56 +5,29 @@ not grow with the context, so greedy DFlash equals greedy AR token for token."""
 
 from __future__ import annotations
 
-import copy
 import itertools
 import json
 
 import pytest
 import torch
 
-from conftest import TINY_SLIDING_WINDOW, tiny_target
 from dflash_core import acceptance, cli
-from dflash_core.drafter import DFlashDrafter, DrafterConfig, init_drafter_weights
 from dflash_core.speculative import GenerationConfig, collect, stream
 from dflash_core.target import HFTarget, fast_path_reason, make_runner
-from test_sampling import chi_square_passes
-from test_speculative import OracleDrafter
+from dflash_core.testing import (
+    TINY_SLIDING_WINDOW,
+    OracleDrafter,
+    SometimesRightDrafter,
+    chi_square_passes,
+    hybrid_drafter,
+    tiny_target,
+)
 
 FAMILIES = ["qwen3_5", "qwen3_5_moe", "qwen3_next", "gpt_oss"]
 LINEAR = ["qwen3_5", "qwen3_5_moe", "qwen3_next"]
 # Prompts longer and shorter than the sliding window (8), so rollbacks happen on both sides of it.
 EOS = 91  # the end-of-sequence id of the saved targets (see save_target)
 PROMPTS = [[5, 17, 42, 8, 9, 60], [11], [70, 71, 72, 73, 74, 75, 76, 77, 78, 79, 80, 30, 31]]
-
-
-def drafter_for(model, block_size: int = 16, seed: int = 0, mask_token_id: int = 3) -> DFlashDrafter:
-    """``conftest.tiny_drafter``, with an MLP width for targets whose config has none (the MoE
-    Qwen3.5 text config has only expert widths), and full RoPE: the drafter is a Qwen3 model, and
-    its loader refuses the partial RoPE it would copy from a Qwen3.5 target."""
-    text = copy.deepcopy(model.config.get_text_config())
-    text.rope_parameters = {k: v for k, v in text.rope_parameters.items() if k != "partial_rotary_factor"}
-    width = getattr(text, "intermediate_size", None) or 2 * text.hidden_size
-    config = DrafterConfig.for_target(text, num_layers=1, mask_token_id=mask_token_id, block_size=block_size,
-                                      intermediate_size=width)
-    drafter = DFlashDrafter(config)
-    init_drafter_weights(drafter, std=0.2, seed=seed)
-    return drafter.to(model.dtype).eval()
-
-
-class SometimesRightDrafter(OracleDrafter):
-    """Proposes the reference continuation, except a wrong token at every position divisible by
-    ``every``: drafts are accepted partway through blocks, so rollbacks keep every length."""
-
-    def __init__(self, base: DFlashDrafter, reference: list[int], every: int = 5) -> None:
-        super().__init__(base, reference)
-        self.every = every
-
-    def logits(self, hidden, lm_head_weight):  # noqa: D102
-        out = super().logits(hidden, lm_head_weight)
-        for row, pos in enumerate(self._positions[1:].tolist()):
-            if pos % self.every == 0:
-                out[row] = out[row].roll(1)  # the 1e4 moves to the next token id: a wrong draft
-        return out
 
 
 def linear_states(runner: HFTarget) -> list[torch.Tensor]:
@@ -165,7 +138,7 @@ def test_a_rollback_reaches_only_into_the_latest_forward():
 def test_greedy_dflash_equals_greedy_ar_with_many_rejected_drafts(family):
     model = tiny_target(family)
     runner = HFTarget(model)
-    drafter = drafter_for(model)
+    drafter = hybrid_drafter(model)
     rejected = partial = 0
     for prompt in PROMPTS:
         ar = collect(stream(runner, None, prompt, GenerationConfig(max_new_tokens=40, block_size=1).validated(16)))
@@ -190,7 +163,7 @@ def test_dflash_sampling_follows_the_targets_distribution(family):
     with torch.no_grad():
         model.lm_head.weight.mul_(0.15)  # soften: every outcome has some mass
     runner = HFTarget(model)
-    drafter = drafter_for(model, block_size=4, mask_token_id=4, seed=2)
+    drafter = hybrid_drafter(model, block_size=4, mask_token_id=4, seed=2)
     prompt = [1, 3, 0, 2, 4, 1, 1, 3, 0, 2]
 
     def next_probs(ids):
@@ -277,7 +250,7 @@ def test_the_cli_runs_these_targets_losslessly(tmp_path, capsys, family):
     else:
         from transformers import AutoModelForCausalLM
 
-        drafter_for(AutoModelForCausalLM.from_pretrained(target_dir), block_size=8).save_pretrained(drafter_dir)
+        hybrid_drafter(AutoModelForCausalLM.from_pretrained(target_dir), block_size=8).save_pretrained(drafter_dir)
         drafter = f'{{ path = "{drafter_dir}" }}'
     registry = tmp_path / "models.toml"
     registry.write_text(f'default = "p"\n[pairs.p]\ndescription = "tiny {family}"\n'

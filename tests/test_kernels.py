@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash_core.kernels import Linear
-from conftest import tiny_target
+from dflash_core.testing import tiny_target
 
 
 def _packing_expected() -> bool:
@@ -104,7 +104,7 @@ def test_the_load_probe_pads_small_passes_until_they_round_like_blocks(family):
 
 def test_packed_drafter_gives_the_same_hidden_states_and_follows_weight_changes():
     """pack_for_inference changes no number; a weight changed afterwards is not served stale."""
-    from conftest import tiny_drafter
+    from dflash_core.testing import tiny_drafter
 
     target = tiny_target("qwen3", dtype=torch.bfloat16)
     drafter = tiny_drafter(target).to(torch.bfloat16).eval().requires_grad_(False)

@@ -8,13 +8,12 @@ import random
 import pytest
 import torch
 
-from conftest import tiny_drafter, tiny_target
 from dflash_core.errors import SettingsError
 from dflash_core.lookup import MAX_MATCH, MAX_NGRAM, MIN_NGRAM, LookupStats, NgramIndex, graft, worth_drafting
 from dflash_core.speculative import GenerationConfig, collect, stream
 from dflash_core.target import FastTarget, HFTarget
+from dflash_core.testing import PROMPTS, RecordingDrafter, tiny_drafter, tiny_target
 from dflash_core.tree import DraftTree, build_tree
-from test_speculative import PROMPTS, RecordingDrafter
 
 
 def naive_continuation(tokens: list[int], length: int) -> tuple[list[int], int]:

@@ -6,10 +6,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import tiny_drafter, tiny_target
 from dflash_core import acceptance
 from dflash_core.speculative import choose_draft_length
 from dflash_core.target import FastTarget
+from dflash_core.testing import tiny_drafter, tiny_target
 
 MODEL = tiny_target("llama", vocab=64, layers=2, seed=11)
 DRAFTER = tiny_drafter(MODEL, layers=1)

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import tiny_drafter, tiny_target
 from dflash_core.loading import converted_gguf_dir, load_target, resolve_gguf
 from dflash_core.registry import ModelSource, load_registry
 from dflash_core.speculative import GenerationConfig, collect, stream
 from dflash_core.target import HFTarget
+from dflash_core.testing import tiny_drafter, tiny_target
 
 pytest.importorskip("bitsandbytes")
 

@@ -4,35 +4,14 @@ from __future__ import annotations
 
 import json
 
-import pytest
 import torch
 
-from conftest import tiny_target
 from dflash_core.drafter import DFlashDrafter
-from dflash_core.loading import converted_gguf_dir, load_target, resolve_gguf
-from dflash_core.registry import ModelSource, load_registry
 from dflash_core.training.features import FeatureStore
 from dflash_core.training.prompt_sources import Prompt, write_prompts
 from dflash_core.training.recipe import STAGES, RecipeOptions, run_recipe
 from dflash_core.training.selfdistill import SPENT_FILE, read_samples
 from dflash_core.training.trainer import TrainSettings
-
-
-@pytest.fixture(scope="module")
-def tiny_chat_target(tmp_path_factory):
-    """A random 2-layer model with SmolLM2's vocabulary, chat template and tokenizer, on disk."""
-    from transformers import AutoTokenizer
-
-    smollm2 = converted_gguf_dir(resolve_gguf(load_registry().get("smollm2-135m").target))
-    tokenizer = AutoTokenizer.from_pretrained(smollm2)
-    model = tiny_target("llama", vocab=len(tokenizer), layers=2, seed=5)
-    model.config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    folder = tmp_path_factory.mktemp("tiny-chat-target")
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return load_target(ModelSource("path", str(folder)), "float32", "cpu")
 
 
 def test_every_stage_runs_and_the_export_loads_back(tiny_chat_target, tmp_path):

@@ -9,35 +9,14 @@ rejected with a p-value below 1e-30.
 from __future__ import annotations
 
 import itertools
-import math
 
 import pytest
 import torch
 
-from conftest import tiny_drafter, tiny_target
 from dflash_core import acceptance
 from dflash_core.speculative import GenerationConfig, collect, stream
 from dflash_core.target import FastTarget
-
-ALPHA_Z = 3.0902  # standard normal quantile of 1 - 1e-3
-
-
-def chi_square_passes(observed: dict, expected: dict, n: int) -> tuple[bool, float, float]:
-    cells, pooled_o, pooled_e = [], 0.0, 0.0
-    for key, p in expected.items():
-        e = p * n
-        o = observed.get(key, 0)
-        if e < 5:
-            pooled_o, pooled_e = pooled_o + o, pooled_e + e
-        else:
-            cells.append((o, e))
-    if pooled_e > 0:
-        cells.append((pooled_o, pooled_e))
-    stat = sum((o - e) ** 2 / e for o, e in cells)
-    df = len(cells) - 1
-    # Wilson-Hilferty approximation of the chi-square critical value.
-    critical = df * (1 - 2 / (9 * df) + ALPHA_Z * math.sqrt(2 / (9 * df))) ** 3
-    return stat < critical, stat, critical
+from dflash_core.testing import chi_square_passes, tiny_drafter, tiny_target
 
 
 @pytest.mark.parametrize("rule", ["match", "pq", "pq-draft-vocab"])

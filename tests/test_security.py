@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from conftest import tiny_drafter, tiny_target
 from dflash_core.errors import PromptError, SettingsError
 from dflash_core.registry import ModelSource
+from dflash_core.testing import tiny_drafter, tiny_target
 
 EVIL = """
 import pathlib

@@ -17,7 +17,6 @@ from dflash_core.training.recipe import RecipeOptions, run_recipe
 from dflash_core.training.selfdistill import chat_ids
 from dflash_core.training.shards import DataDir, ShardContent, read_samples, read_shard, write_shard
 from dflash_core.training.trainer import TrainSettings
-from test_recipe import tiny_chat_target  # noqa: F401  (a module-scoped fixture)
 
 
 def _prompts(n: int, start: int = 0) -> list[Prompt]:

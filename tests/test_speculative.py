@@ -7,49 +7,11 @@ import random
 import pytest
 import torch
 
-from conftest import tiny_drafter, tiny_target
 from dflash_core.drafter import DFlashDrafter
 from dflash_core.errors import ModelLoadError
 from dflash_core.speculative import GenerationConfig, collect, stream
 from dflash_core.target import FastTarget, HFTarget
-
-PROMPTS = [[5, 17, 42, 8, 9, 60], [11], [70, 71, 72, 73, 74, 75, 76, 77, 78, 79, 80, 30, 31], [4, 4, 4, 4, 9, 12, 33]]
-
-
-class OracleDrafter(DFlashDrafter):
-    """Proposes the reference (autoregressive) continuation: every draft should be accepted."""
-
-    def __init__(self, base: DFlashDrafter, reference: list[int]) -> None:
-        super().__init__(base.config)
-        self.load_state_dict(base.state_dict())
-        self.reference = reference
-        self._positions = None
-
-    def forward(self, noise_embedding, block_positions, *args, **kwargs):  # noqa: D102
-        self._positions = block_positions.reshape(-1)
-        return super().forward(noise_embedding, block_positions, *args, **kwargs)
-
-    def logits(self, hidden, lm_head_weight):  # noqa: D102
-        positions = self._positions[1:].tolist()
-        out = torch.full((len(positions), lm_head_weight.shape[0]), -1e4, device=hidden.device)
-        for row, pos in enumerate(positions):
-            out[row, self.reference[pos] if pos < len(self.reference) else 0] = 1e4
-        return out.to(hidden.dtype)
-
-
-class RecordingDrafter(DFlashDrafter):
-    """A real drafter that records (block start, context cache length) at every call."""
-
-    def __init__(self, base: DFlashDrafter) -> None:
-        super().__init__(base.config)
-        self.load_state_dict(base.state_dict())
-        self.calls: list[tuple[int, int]] = []
-
-    def forward(self, noise_embedding, block_positions, *args, cache=None, **kwargs):  # noqa: D102
-        out = super().forward(noise_embedding, block_positions, *args, cache=cache, **kwargs)
-        self.calls.append((int(block_positions.reshape(-1)[0]), cache.length))
-        return out
-
+from dflash_core.testing import PROMPTS, OracleDrafter, RecordingDrafter, tiny_drafter, tiny_target
 
 def runners(model):
     return {"fast": FastTarget(model), "hf": HFTarget(model)}
@@ -248,3 +210,4 @@ def test_a_draft_vocabulary_stays_lossless_and_round_trips(tmp_path):
     (tmp_path / "d" / "draft_vocab.json").write_text('{"token_ids": [1, 1]}')
     with pytest.raises(ModelLoadError, match="distinct token ids"):
         DFlashDrafter.from_pretrained(tmp_path / "d")
+

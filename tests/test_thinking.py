@@ -1,6 +1,6 @@
 """Thinking mode: the pair's ``enable_thinking`` (models.toml), a request's own choice through
 ``Engine.prepare`` / ``stream`` and the CLI's ``--thinking/--no-thinking``, all reaching the chat
-template. The tokenizer is built here (no downloads): 96 ids, one per character plus the chat
+template. The tokenizer is ``dflash_core.testing.tiny_chat_tokenizer`` (no downloads): 96 ids, one per character plus the chat
 specials, with a Qwen3-style template that writes an empty think block when thinking is off."""
 
 from __future__ import annotations
@@ -9,44 +9,12 @@ import json
 
 import pytest
 
-from conftest import tiny_target
 from dflash_core import cli
 from dflash_core.engine import Engine
 from dflash_core.errors import RegistryError, SettingsError
 from dflash_core.prompting import encode_prompt, has_thinking_switch
 from dflash_core.registry import load_registry
-
-SPECIALS = ["<pad>", "<s>", "<|im_end|>", "<mask>", "<|im_start|>", "<think>", "</think>", "<unk>"]
-CHARS = "\n !',-.:?0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
-# Qwen3's convention: thinking is on unless enable_thinking is false, which pre-fills an empty
-# think block.
-QWEN3_STYLE_TEMPLATE = (
-    "{%- for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor -%}"
-    "{%- if add_generation_prompt %}<|im_start|>assistant\n"
-    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}"
-    "{%- endif %}"
-)
-PLAIN_TEMPLATE = (
-    "{%- for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor -%}"
-    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
-def tiny_chat_tokenizer(template: str = QWEN3_STYLE_TEMPLATE):
-    """A character-level fast tokenizer whose ids fit the tiny targets' vocabulary of 96."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {tok: i for i, tok in enumerate(SPECIALS + list(CHARS))}
-    assert len(vocab) <= 96
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="<|im_end|>", pad_token="<pad>",
-                                   unk_token="<unk>", mask_token="<mask>",
-                                   additional_special_tokens=["<|im_start|>", "<think>", "</think>"])
-    fast.chat_template = template
-    return fast
+from dflash_core.testing import PLAIN_TEMPLATE, QWEN3_STYLE_TEMPLATE, tiny_chat_tokenizer, tiny_target
 
 
 def empty_think_block(tokenizer) -> list[int]:

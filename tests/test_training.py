@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 
-from conftest import tiny_target
 from dflash_core.drafter import DFlashDrafter, DrafterConfig
 from dflash_core.speculative import GenerationConfig, collect, stream
 from dflash_core.target import FastTarget
+from dflash_core.testing import tiny_target
 from dflash_core.training.features import build_feature_cache
 from dflash_core.training.objective import fused_linear_cross_entropy, make_batch, naive_training_mask, training_mask
 from dflash_core.training.selfdistill import Sample
@@ -213,7 +213,7 @@ def test_exported_drafter_loads_back_through_the_engine_with_identical_logits(ti
 
 def test_blockwise_training_attention_equals_the_dense_mask():
     """The fast training path computes exactly what the dense mask specifies."""
-    from conftest import tiny_drafter
+    from dflash_core.testing import tiny_drafter
     from dflash_core.drafter import BlockLayout
 
     model = tiny_target("llama")

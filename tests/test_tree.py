@@ -6,12 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import tiny_drafter, tiny_target
 from dflash_core.errors import SettingsError
 from dflash_core.speculative import GenerationConfig, collect, stream
 from dflash_core.target import FastTarget, HFTarget
+from dflash_core.testing import PROMPTS, OracleDrafter, tiny_drafter, tiny_target
 from dflash_core.tree import DraftTree, build_tree, depth_first, walk
-from test_speculative import PROMPTS, OracleDrafter
 
 
 def random_tree(seed: int, budget: int = 12, slots: int = 6, k: int = 4) -> DraftTree:

@@ -1,0 +1,241 @@
+"""Tiny random models and reference drafters for the tests and ``scripts/gpu_check.py``.
+
+One module, so the test suite and the GPU check build exactly the same targets and drafters
+(test modules no longer import each other, and the script no longer reaches into ``tests/``).
+It needs only torch and transformers (not pytest): the GPU check runs it from a bare python3
+with the checkout on ``sys.path``. Nothing here runs at import; ``tiny_target`` seeds torch's
+global generator when called, as a test that builds a model expects.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import TYPE_CHECKING
+
+import torch
+
+from dflash_core.drafter import DFlashDrafter, DrafterConfig, init_drafter_weights
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
+
+# Families ``tiny_target`` builds. The hybrid ones alternate layer kinds (the published models
+# use 3 linear : 1 full and 1 sliding : 1 full; alternating gives both kinds in 2 layers).
+TINY_FAMILIES = ("llama", "qwen3", "qwen3_5", "qwen3_5_moe", "qwen3_next", "gpt_oss")
+TINY_SLIDING_WINDOW = 8  # gpt_oss: small, so generations of a few dozen tokens cross the window
+
+# Prompts of several shapes: ordinary, one token, longer than the sliding window, repetitive
+# (prompt lookup finds n-grams in the last one).
+PROMPTS = [[5, 17, 42, 8, 9, 60], [11], [70, 71, 72, 73, 74, 75, 76, 77, 78, 79, 80, 30, 31], [4, 4, 4, 4, 9, 12, 33]]
+
+
+def tiny_target(family: str = "llama", vocab: int = 96, layers: int = 4, seed: int = 0,
+                dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """A randomly initialised causal LM small enough for hundreds of generations per second.
+
+    ``qwen3_5``, ``qwen3_5_moe`` and ``qwen3_next`` alternate Gated DeltaNet (linear-attention)
+    and full-attention layers; ``gpt_oss`` alternates sliding-window (``TINY_SLIDING_WINDOW``)
+    and full-attention layers with attention sinks and a mixture of experts."""
+    import transformers
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    if family == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    elif family == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(head_dim=16, **common))
+    elif family in ("qwen3_5", "qwen3_5_moe", "qwen3_next"):
+        hybrid = dict(
+            head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
+            linear_num_key_heads=2, linear_num_value_heads=4,
+            layer_types=[("linear_attention", "full_attention")[i % 2] for i in range(layers)],
+        )
+        moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+        if family == "qwen3_5":
+            model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**hybrid, **common))
+        elif family == "qwen3_5_moe":
+            dense = {k: v for k, v in common.items() if k != "intermediate_size"}  # experts only
+            model = transformers.Qwen3_5MoeForCausalLM(transformers.Qwen3_5MoeTextConfig(**hybrid, **moe, **dense))
+        else:
+            model = transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(**hybrid, **moe, **common))
+    elif family == "gpt_oss":
+        # gpt-oss's YaRN RoPE, its factor consistent with the short context (no warning).
+        rope = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                "truncate": False, "original_max_position_embeddings": common["max_position_embeddings"] // 32}
+        config = transformers.GptOssConfig(
+            head_dim=16, sliding_window=TINY_SLIDING_WINDOW, num_local_experts=4, num_experts_per_tok=2,
+            layer_types=[("sliding_attention", "full_attention")[i % 2] for i in range(layers)],
+            rope_parameters=rope, **common,
+        )
+        model = transformers.GptOssForCausalLM(config)
+    else:
+        raise ValueError(f"family {family!r} is not one of {TINY_FAMILIES}")
+    # Sharper logits than the default init, so greedy decoding has clear winners and the
+    # generated text is not one token repeated.
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    return model.to(dtype).eval()
+
+
+def tiny_drafter(target: torch.nn.Module, layers: int = 1, block_size: int = 16, seed: int = 0,
+                 mask_token_id: int = 3) -> DFlashDrafter:
+    """A random drafter shaped for ``target`` (a Llama or Qwen3 ``tiny_target``)."""
+    config = DrafterConfig.for_target(target.config, num_layers=layers, mask_token_id=mask_token_id, block_size=block_size)
+    drafter = DFlashDrafter(config)
+    init_drafter_weights(drafter, std=0.2, seed=seed)
+    return drafter.to(target.dtype).eval()
+
+
+def hybrid_drafter(model: torch.nn.Module, block_size: int = 16, seed: int = 0, mask_token_id: int = 3) -> DFlashDrafter:
+    """``tiny_drafter`` for any family: an MLP width for targets whose config has none (the MoE
+    Qwen3.5 text config has only expert widths), and full RoPE: the drafter is a Qwen3 model, and
+    its loader refuses the partial RoPE it would copy from a Qwen3.5 target."""
+    text = copy.deepcopy(model.config.get_text_config())
+    text.rope_parameters = {k: v for k, v in text.rope_parameters.items() if k != "partial_rotary_factor"}
+    width = getattr(text, "intermediate_size", None) or 2 * text.hidden_size
+    config = DrafterConfig.for_target(text, num_layers=1, mask_token_id=mask_token_id, block_size=block_size,
+                                      intermediate_size=width)
+    drafter = DFlashDrafter(config)
+    init_drafter_weights(drafter, std=0.2, seed=seed)
+    return drafter.to(model.dtype).eval()
+
+
+# A chat tokenizer for the tiny targets: one id per character plus the chat specials.
+SPECIALS = ["<pad>", "<s>", "<|im_end|>", "<mask>", "<|im_start|>", "<think>", "</think>", "<unk>"]
+CHARS = "\n !',-.:?0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+# Qwen3's convention: thinking is on unless enable_thinking is false, which pre-fills an empty
+# think block.
+QWEN3_STYLE_TEMPLATE = (
+    "{%- for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor -%}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}"
+    "{%- endif %}"
+)
+PLAIN_TEMPLATE = (
+    "{%- for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor -%}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def tiny_chat_tokenizer(template: str = QWEN3_STYLE_TEMPLATE) -> PreTrainedTokenizerFast:
+    """A character-level fast tokenizer whose ids fit the tiny targets' vocabulary of 96 (no
+    downloads), with a chat template: by default Qwen3-style, writing an empty think block when
+    thinking is off."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + list(CHARS))}
+    assert len(vocab) <= 96
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="<|im_end|>", pad_token="<pad>",
+                                   unk_token="<unk>", mask_token="<mask>",
+                                   additional_special_tokens=["<|im_start|>", "<think>", "</think>"])
+    fast.chat_template = template
+    return fast
+
+
+class OracleDrafter(DFlashDrafter):
+    """Proposes the reference (autoregressive) continuation: every draft should be accepted."""
+
+    def __init__(self, base: DFlashDrafter, reference: list[int]) -> None:
+        super().__init__(base.config)
+        self.load_state_dict(base.state_dict())
+        self.reference = reference
+        self._positions = None
+
+    def forward(self, noise_embedding, block_positions, *args, **kwargs):  # noqa: D102
+        self._positions = block_positions.reshape(-1)
+        return super().forward(noise_embedding, block_positions, *args, **kwargs)
+
+    def logits(self, hidden, lm_head_weight):  # noqa: D102
+        positions = self._positions[1:].tolist()
+        out = torch.full((len(positions), lm_head_weight.shape[0]), -1e4, device=hidden.device)
+        for row, pos in enumerate(positions):
+            out[row, self.reference[pos] if pos < len(self.reference) else 0] = 1e4
+        return out.to(hidden.dtype)
+
+
+class SometimesRightDrafter(OracleDrafter):
+    """Proposes the reference continuation, except a wrong token at every position divisible by
+    ``every``: drafts are accepted partway through blocks, so rollbacks keep every length."""
+
+    def __init__(self, base: DFlashDrafter, reference: list[int], every: int = 5) -> None:
+        super().__init__(base, reference)
+        self.every = every
+
+    def logits(self, hidden, lm_head_weight):  # noqa: D102
+        out = super().logits(hidden, lm_head_weight)
+        for row, pos in enumerate(self._positions[1:].tolist()):
+            if pos % self.every == 0:
+                out[row] = out[row].roll(1)  # the 1e4 moves to the next token id: a wrong draft
+        return out
+
+
+class RecordingDrafter(DFlashDrafter):
+    """A real drafter that records (block start, context cache length) at every call."""
+
+    def __init__(self, base: DFlashDrafter) -> None:
+        super().__init__(base.config)
+        self.load_state_dict(base.state_dict())
+        self.calls: list[tuple[int, int]] = []
+
+    def forward(self, noise_embedding, block_positions, *args, cache=None, **kwargs):  # noqa: D102
+        out = super().forward(noise_embedding, block_positions, *args, cache=cache, **kwargs)
+        self.calls.append((int(block_positions.reshape(-1)[0]), cache.length))
+        return out
+
+
+ALPHA_Z = 3.0902  # standard normal quantile of 1 - 1e-3: chi_square_passes tests at significance 1e-3
+
+
+def chi_square_passes(observed: dict, expected: dict, n: int) -> tuple[bool, float, float]:
+    """Chi-square goodness of fit of ``observed`` counts (of ``n`` draws) to the ``expected``
+    probabilities, at significance 1e-3; cells expecting fewer than 5 are pooled. Returns
+    (passes, statistic, critical value)."""
+    cells, pooled_o, pooled_e = [], 0.0, 0.0
+    for key, p in expected.items():
+        e = p * n
+        o = observed.get(key, 0)
+        if e < 5:
+            pooled_o, pooled_e = pooled_o + o, pooled_e + e
+        else:
+            cells.append((o, e))
+    if pooled_e > 0:
+        cells.append((pooled_o, pooled_e))
+    stat = sum((o - e) ** 2 / e for o, e in cells)
+    df = len(cells) - 1
+    # Wilson-Hilferty approximation of the chi-square critical value.
+    critical = df * (1 - 2 / (9 * df) + ALPHA_Z * math.sqrt(2 / (9 * df))) ** 3
+    return stat < critical, stat, critical
+
+
+# Bad input, for the Python API, the CLI (tests/test_bad_input.py) and the UI (tests/test_app.py):
+# (name, prompt, settings, expected message or None when the request must succeed).
+BAD_INPUT_ROWS = [
+    ("empty prompt", "", {}, "the prompt is empty"),
+    ("whitespace prompt", "  \n\t ", {}, "the prompt is empty"),
+    ("prompt longer than the context", " ".join(str(i % 10) for i in range(15000)), {}, "the target accepts at most"),
+    ("prompt over the character limit", "lorem ipsum " * 4000, {}, "characters; the limit is 32,000"),
+    ("control characters", "\x00\x07\x1b[31m say hi \x7f", {}, None),
+    ("invalid surrogate", "hello \ud800 world", {}, "invalid Unicode"),
+    ("emoji", "🚀🔥 In one sentence, what is a rocket? 🌕", {}, None),
+    ("right-to-left text", "ما هي عاصمة فرنسا؟ שלום", {}, None),
+    ("max new tokens 0", "hi", {"max_new_tokens": 0}, "max_new_tokens = 0; allowed: an integer from 1 to"),
+    ("max new tokens negative", "hi", {"max_new_tokens": -5}, "max_new_tokens = -5"),
+    ("max new tokens huge", "hi", {"max_new_tokens": 10**9}, "max_new_tokens = 1000000000"),
+    ("block size 0", "hi", {"block_size": 0}, "block_size = 0; allowed: an integer from 1"),
+    ("block size 1 (autoregressive)", "hi", {"block_size": 1}, None),
+    ("block size non-integer", "hi", {"block_size": 2.5}, "block_size = 2.5"),
+    ("block size larger than the drafter", "hi", {"block_size": 64}, "what this drafter was trained for"),
+    ("temperature negative", "hi", {"temperature": -1.0}, "temperature = -1.0"),
+    ("temperature NaN", "hi", {"temperature": math.nan}, "temperature = nan"),
+    ("temperature huge", "hi", {"temperature": 1e6}, "temperature = 1000000.0"),
+]
