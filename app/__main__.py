@@ -13,9 +13,9 @@ import sys
 
 
 def main() -> None:
-    from dflash_core.cli import _quiet_libraries
+    from dflash_core.console import quiet_libraries
 
-    _quiet_libraries()
+    quiet_libraries()
     from .service import StudioService
     from .studio import build_app, css
 

@@ -96,7 +96,7 @@ def target_source(target: str | None, pair: str | None, registry: Any = None) ->
 
 
 def cmd_gen_data(args: argparse.Namespace) -> int:
-    from ..cli import _log
+    from ..console import log
     from ..loading import load_target
     from .gen_data import GenDataOptions, generate_shards
 
@@ -104,7 +104,7 @@ def cmd_gen_data(args: argparse.Namespace) -> int:
         raise TrainingError(f"prompt file {args.prompts} does not exist (the committed set is "
                             "assets/data/train_prompts.jsonl.gz)")
     target = load_target(target_source(args.target, args.pair, getattr(args, "registry", None)), args.target_dtype,
-                         args.device, progress=_log)
+                         args.device, progress=log)
     stats = generate_shards(target, GenDataOptions(
         prompts_file=args.prompts, data_dir=args.data_dir, minutes=args.minutes, max_answer_tokens=args.max_tokens,
         shard_prompts=args.shard_prompts, slots=args.slots, max_new_tokens=args.max_new_tokens,
@@ -114,7 +114,7 @@ def cmd_gen_data(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from ..cli import _log
+    from ..console import log
     from ..loading import load_target
 
     source = target_source(args.target, args.pair, args.registry)
@@ -127,7 +127,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         value = getattr(args, f.name)
         if value is not None:
             setattr(settings, f.name, value)
-    target = load_target(source, args.target_dtype, args.device, progress=_log)
+    target = load_target(source, args.target_dtype, args.device, progress=log)
     options = RecipeOptions(
         work_dir=args.work_dir, out_dir=args.out, prompts_file=args.prompts,
         gen_batch_size=args.gen_batch_size, gen_max_new_tokens=args.gen_max_new_tokens,

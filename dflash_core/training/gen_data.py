@@ -11,7 +11,6 @@ import contextlib
 import datetime
 import hashlib
 import json
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +18,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+from .. import console
 from ..hardware import hardware_summary
 from ..loading import LoadedTarget
 from ..target import FastTarget
@@ -26,10 +26,6 @@ from .batched_decode import Answer, greedy_decode_stream
 from .prompt_sources import Prompt, read_prompts, summarize
 from .selfdistill import _hf_generate_batches, chat_ids
 from .shards import DataDir, ShardContent, prompt_order, shard_name, write_shard
-
-
-def _log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 @dataclass
@@ -178,11 +174,11 @@ def generate_shards(target: LoadedTarget, options: GenDataOptions) -> dict[str, 
                 json.dumps({"file": features_bin.name, "layers": list(options.feature_layers), "rows": rows}))
         data.add_shard(entry, order_ids)
         new_shards.append(name)
-        _log(f"gen-data: {name} prompts [{first}, {entry['next']}) of {len(order)}: {entry['answers']} answers, "
-             f"{answer_tokens} tokens in {wall:.0f} s ({entry['tokens_per_s']:.0f} tok/s)")
+        console.log(f"gen-data: {name} prompts [{first}, {entry['next']}) of {len(order)}: {entry['answers']} answers, "
+                    f"{answer_tokens} tokens in {wall:.0f} s ({entry['tokens_per_s']:.0f} tok/s)")
     exhausted = data.cursor >= len(order)
     if exhausted:
-        _log(f"gen-data: all {len(order)} training prompts of {options.prompts_file} are answered; more data needs "
-             "more prompts appended to that file")
+        console.log(f"gen-data: all {len(order)} training prompts of {options.prompts_file} are answered; more data needs "
+                    "more prompts appended to that file")
     return {"new_shards": new_shards, "new_answer_tokens": produced, "seconds": round(time.time() - started, 1),
             "cursor": data.cursor, "prompts": len(order), "exhausted": exhausted, "totals": data.manifest["totals"]}

@@ -8,12 +8,12 @@ exists, so an interrupted ``python -m dflash_core train ...`` picks up where it 
 from __future__ import annotations
 
 import json
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from .. import console
 from ..drafter import DrafterConfig
 from ..loading import LoadedTarget, choose_mask_token_id
 from ..hardware import hardware_summary
@@ -30,10 +30,6 @@ from .trainer import Trainer, TrainSettings
 STAGES = ("prompts", "generate", "features", "fit", "export", "evaluate")
 # Key of a stage's result that holds its wall time over all runs, interrupted ones included.
 STAGE_TOTAL = "stage_total_s"
-
-
-def _log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 @dataclass
@@ -113,7 +109,7 @@ def run_recipe(target: LoadedTarget, options: RecipeOptions, stages: list[str]) 
                 prompts = build_prompt_set(settings.seed)
             write_prompts(prompts, prompts_path)
             train, held = split(prompts)
-            _log(f"prompts: {len(train)} for training, {len(held)} held out; sources {summarize(train)}")
+            console.log(f"prompts: {len(train)} for training, {len(held)} held out; sources {summarize(train)}")
             return {"train_prompts": len(train), "held_out": len(held)}
         _timed(log, "prompts", do_prompts)
 
@@ -128,7 +124,7 @@ def run_recipe(target: LoadedTarget, options: RecipeOptions, stages: list[str]) 
                 slots=options.gen_batch_size, max_new_tokens=options.gen_max_new_tokens,
                 feature_layers=layers, features_dir=kept_features,
             ))
-            _log(f"generate: {stats}")
+            console.log(f"generate: {stats}")
             return {"new_answer_tokens": stats["new_answer_tokens"], "new_shards": len(stats["new_shards"]),
                     "answer_tokens": stats["totals"].get("answer_tokens", 0)}
         _timed(log, "generate", do_generate_shards)
@@ -143,7 +139,7 @@ def run_recipe(target: LoadedTarget, options: RecipeOptions, stages: list[str]) 
                 token_budget=options.gen_token_budget, time_budget_s=options.gen_time_budget_s,
                 runner=target.runner, feature_layers=layers,
             )
-            _log(f"generate: {stats}")
+            console.log(f"generate: {stats}")
             # A finished stage run again adds nothing: keep the rate its real run measured.
             kept = stats if stats["new_tokens"] else {"tokens": stats["tokens"]}
             return {**kept, STAGE_TOTAL: stats["spent_s"]}
@@ -160,7 +156,7 @@ def run_recipe(target: LoadedTarget, options: RecipeOptions, stages: list[str]) 
             if not samples:
                 raise TrainingError(f"no answers in {where}: run the generate stage (or `make gen-data`) first")
             store = build_feature_cache(target.runner, samples, layers, work / "features", responses_dir=kept)
-            _log(f"features: {len(store)} sequences, {store.num_tokens} tokens, layers {store.layer_ids}")
+            console.log(f"features: {len(store)} sequences, {store.num_tokens} tokens, layers {store.layer_ids}")
             return {"sequences": len(store), "tokens": store.num_tokens}
         _timed(log, "features", do_features)
 
@@ -186,7 +182,7 @@ def run_recipe(target: LoadedTarget, options: RecipeOptions, stages: list[str]) 
             fitted = trainer.run(time_budget_s=options.fit_time_budget_s)
             return {**fitted, STAGE_TOTAL: fitted["elapsed_s"]}
         result["fit"] = _timed(log, "fit", do_fit)
-        _log(f"fit: {result['fit']}")
+        console.log(f"fit: {result['fit']}")
 
     if "export" in stages:
         def do_export() -> dict[str, Any]:
@@ -213,7 +209,7 @@ def run_recipe(target: LoadedTarget, options: RecipeOptions, stages: list[str]) 
             if drafter.draft_vocab is not None:
                 info["draft_vocabulary"] = f"{drafter.draft_vocab.numel()} most frequent response tokens (draft_vocab.json)"
             export_drafter(drafter, options.out_dir, info)
-            _log(f"export: {options.out_dir}")
+            console.log(f"export: {options.out_dir}")
             return {}
         _timed(log, "export", do_export)
 
@@ -222,7 +218,7 @@ def run_recipe(target: LoadedTarget, options: RecipeOptions, stages: list[str]) 
 
         def do_evaluate() -> dict[str, Any]:
             measured = evaluate_drafter(target, options.out_dir, options.eval_prompts, options.eval_max_new_tokens)
-            _log(f"evaluate: {measured}")
+            console.log(f"evaluate: {measured}")
             return measured
         result["evaluate"] = _timed(log, "evaluate", do_evaluate)
 
