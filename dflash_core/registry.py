@@ -19,6 +19,7 @@ Example::
 
 from __future__ import annotations
 
+import importlib.resources
 import os
 import tomllib
 from dataclasses import dataclass
@@ -110,11 +111,21 @@ class Registry:
         return self.pairs[key]
 
 
+# Where an installed package keeps its registry: setup.py copies the project's models.toml
+# there at build time (package data must sit inside the package).
+PACKAGED_REGISTRY = "models.toml"
+
+
 def default_registry_path() -> Path:
-    """``$DFLASH_MODELS_TOML`` if set, else the ``models.toml`` at the project root."""
+    """``$DFLASH_MODELS_TOML`` if set; else the copy an installed package ships; else, in a
+    checkout (run in place or installed editable, where no copy exists), the project root's
+    ``models.toml``, so the file users edit is the one read."""
     env = os.environ.get("DFLASH_MODELS_TOML")
     if env:
         return Path(env).expanduser().resolve()
+    packaged = importlib.resources.files("dflash_core") / PACKAGED_REGISTRY
+    if packaged.is_file():
+        return Path(str(packaged))  # a wheel is installed unpacked: a real file
     return Path(__file__).resolve().parent.parent / "models.toml"
 
 

@@ -160,3 +160,44 @@ def test_pairs_says_what_a_gpu_pair_would_need(capsys):
     if not local_gpu_memory_gb():
         assert "needs CUDA" in rows["qwen35-27b"]["reason"] and "about 67 GiB" in rows["qwen35-27b"]["reason"]
     assert rows["smollm2-135m"]["runnable"]
+
+
+def test_an_installed_package_ships_the_registry_and_a_checkout_reads_its_own(tmp_path):
+    """A non-editable install has no project root: the build copies models.toml into the package
+    (setup.py), and load_registry() finds it there through importlib.resources."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from dflash_core.registry import default_registry_path
+
+    root = Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in os.environ.items() if k != "DFLASH_MODELS_TOML"}
+    # A checkout has no packaged copy: it reads the root file, the one users edit (checked below).
+    assert not (root / "dflash_core" / "models.toml").exists()
+    # Build the package as pip would (build_py is the step that lays out the installed files).
+    built = tmp_path / "site"
+    subprocess.run([sys.executable, "setup.py", "-q", "build_py", "--build-lib", str(built)], cwd=root, env=env,
+                   check=True, capture_output=True)
+    assert (built / "dflash_core" / "models.toml").read_bytes() == (root / "models.toml").read_bytes()
+    # Import the built package from elsewhere, with no checkout on the path.
+    probe = ("import json, dflash_core, dflash_core.registry as r; reg = r.load_registry(); "
+             "print(json.dumps([dflash_core.__file__, str(reg.path), reg.default, sorted(reg.pairs)]))")
+    out = subprocess.run([sys.executable, "-S", "-c", f"import sys; sys.path[:0] = {[str(built)] + _site_paths()!r}; {probe}"],
+                         cwd=tmp_path, env=env, check=True, capture_output=True, text=True).stdout
+    module_file, path, default, pairs = json.loads(out)
+    assert module_file.startswith(str(built)) and path == str(built / "dflash_core" / "models.toml")
+    assert (default, pairs) == (load_registry(root / "models.toml").default, sorted(load_registry(root / "models.toml").pairs))
+    if "DFLASH_MODELS_TOML" not in os.environ:
+        assert default_registry_path() == root / "models.toml"
+
+
+def _site_paths() -> list[str]:
+    """The interpreter's third-party package folders (torch etc.) without the checkout, which an
+    editable install puts on the path through a .pth file."""
+    import site
+    import sys
+
+    return [p for p in sys.path if p.endswith("site-packages")] + site.getsitepackages()
