@@ -1,7 +1,8 @@
 """The DFlash block-diffusion drafter, implemented natively (no remote code).
 
 It loads and saves the checkpoint format z-lab publishes (``config.json`` + safetensors), which
-vLLM and SGLang also serve. Architecture (see ``shared/DFLASH.md`` section 2):
+vLLM and SGLang also serve. Architecture (the DFlash paper's, as z-lab's reference implementation,
+github.com/z-lab/dflash, builds it):
 
 * the selected target layers' hidden states are concatenated and fused: ``fc`` -> ``hidden_norm``;
 * Qwen3-style decoder layers run on the *block* (the anchor token then ``MASK`` tokens, embedded

@@ -185,15 +185,6 @@ class Engine:
     def decode(self, token_ids: list[int], skip_special: bool = True) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special)
 
-    def token_texts(self, token_ids: list[int]) -> list[str]:
-        """Each token's own text, so that their concatenation is the decoded text (for display)."""
-        texts, previous = [], ""
-        for i in range(len(token_ids)):
-            current = self.tokenizer.decode(token_ids[: i + 1], skip_special_tokens=False)
-            texts.append(current[len(previous):] if current.startswith(previous) else self.tokenizer.decode([token_ids[i]]))
-            previous = current
-        return texts
-
     def describe(self) -> dict[str, Any]:
         return {
             "pair": self.pair.name,

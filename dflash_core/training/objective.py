@@ -42,10 +42,6 @@ class Batch:
     label_pos: torch.Tensor  # (S, A, B-1) index into the sequence of each label (clamped)
 
     @property
-    def num_blocks(self) -> int:
-        return self.labels.shape[0] * self.labels.shape[1]
-
-    @property
     def block_size(self) -> int:
         return self.labels.shape[2] + 1
 
