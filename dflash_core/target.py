@@ -216,7 +216,17 @@ def fast_path_reason(model: torch.nn.Module) -> str | None:
         return "quantized weights (e.g. bitsandbytes 4/8-bit)"
     if len({p.device for p in model.parameters()}) > 1:
         return "weights spread over several devices"
+    # FastTarget fuses q/k/v with their biases (Qwen2) but has no bias on the MLP or the output
+    # projection: a Llama with mlp_bias or attention_bias (which biases o_proj too) goes to HFTarget.
+    biased = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                     if name.endswith(_UNFUSED_BIAS) and getattr(module, "bias", None) is not None})
+    if biased:
+        return f"biases on {', '.join(biased)} (FastTarget has none on the MLP or the output projection)"
     return None
+
+
+# Projections whose biases FastTarget does not apply (module names as transformers spells them).
+_UNFUSED_BIAS = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "self_attn.o_proj")
 
 
 def _fuse_linears(linears: Sequence[torch.nn.Linear]) -> torch.Tensor:
@@ -342,10 +352,6 @@ class FastTarget:
     @property
     def length(self) -> int:
         return self._length
-
-    @property
-    def capacity(self) -> int:
-        return self._capacity
 
     def reset(self, capacity: int) -> None:
         capacity = round_capacity(max(1, min(capacity, self.max_positions)))

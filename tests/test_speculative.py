@@ -211,3 +211,32 @@ def test_a_draft_vocabulary_stays_lossless_and_round_trips(tmp_path):
     with pytest.raises(ModelLoadError, match="distinct token ids"):
         DFlashDrafter.from_pretrained(tmp_path / "d")
 
+
+@pytest.mark.parametrize("bias", ["mlp_bias", "attention_bias"])
+def test_a_llama_with_biases_the_fast_runner_lacks_runs_on_the_generic_runner(bias):
+    """FastTarget applies no bias on the MLP or the output projection (attention_bias puts one on
+    o_proj): such a Llama goes to HFTarget, whose greedy DFlash still equals greedy AR."""
+    from transformers import LlamaForCausalLM
+
+    from dflash_core.target import fast_path_reason, make_runner
+
+    config = tiny_target("llama").config
+    setattr(config, bias, True)
+    torch.manual_seed(1)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)  # as tiny_target: clear greedy winners
+        for name, module in model.named_modules():
+            if getattr(module, "bias", None) is not None:
+                module.bias.normal_(0, 0.5)  # transformers initialises biases to 0: make them count
+    assert "biases on" in fast_path_reason(model)
+    with pytest.raises(ValueError, match="biases"):  # what make_runner used to run into
+        FastTarget(model)
+    runner = make_runner(model)
+    assert isinstance(runner, HFTarget)
+    drafter = tiny_drafter(model)
+    for prompt in PROMPTS[:2]:
+        ar = collect(stream(runner, None, prompt, GenerationConfig(max_new_tokens=24, block_size=1).validated(16)))
+        for block in (4, 16):
+            out = collect(stream(runner, drafter, prompt, GenerationConfig(max_new_tokens=24, block_size=block).validated(16)))
+            assert out.token_ids == ar.token_ids, (bias, block)
