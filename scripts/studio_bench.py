@@ -2,9 +2,9 @@
 
 Launches the studio (``python -m app``), opens it in Debian's Chromium through Playwright, runs the
 default example with the default settings (and, with ``--variants fastest,plain``, each variant
-the page offers), reads the speedup sentence and counters the page shows, stops the studio, then
-runs ``python -m dflash_core generate`` for the same prompt and settings (AR, and each variant) and
-prints both side by side. Rounds alternate page and CLI, so slow drift of a shared machine falls
+the page offers), reads the speedup sentence and counters the page shows, times ``/generate``
+through gradio_client, stops the studio, then runs ``python -m dflash_core generate`` for the same
+prompt and settings (AR, and each variant) and prints both side by side. Rounds alternate page and CLI, so slow drift of a shared machine falls
 on both alike.
 
     python scripts/studio_bench.py [--rounds 2] [--variants fastest,plain] [--out runs/studio_bench.json]
@@ -71,12 +71,24 @@ def page_run(page, variant: str, max_new_tokens: int) -> dict:
                                          "'#dfs-dflash .tok:not(.tok-special)')).map(e => e.textContent).join('')")}
 
 
+def api_run(port: int, prompt: str, max_new_tokens: int) -> dict:
+    """/generate through gradio_client (plain DFlash: its five inputs have no variant), timed
+    end to end: from submitting to the last update."""
+    from gradio_client import Client
+
+    client = Client(f"http://127.0.0.1:{port}/", verbose=False)
+    started = time.perf_counter()
+    final = client.predict(prompt, max_new_tokens, 16, 0.0, "", api_name="/generate")
+    return {"tok_s": final["tokens"] / (time.perf_counter() - started), "text": final["text"]}
+
+
 def cli_run(prompt: str, mode: str, flags: list[str], max_new_tokens: int) -> dict:
     cmd = [sys.executable, "-m", "dflash_core", "generate", "--json", "--prompt", prompt, "--mode", mode,
            "--max-new-tokens", str(max_new_tokens), *flags]
     out = json.loads(subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True).stdout)
     # The page's definition: tokens after the first over the time after the first.
-    return {"tok_s": (out["num_tokens"] - 1) / out["decode_s"], "tau": out["tau"], "text": out["text"]}
+    return {"tok_s": (out["num_tokens"] - 1) / out["decode_s"], "tau": out["tau"], "text": out["text"],
+            "end_to_end_tok_s": out["num_tokens"] / (out["prefill_s"] + out["decode_s"])}
 
 
 def main() -> int:
@@ -95,6 +107,7 @@ def main() -> int:
     variants = args.variants.split(",")
     chromium = shutil.which("chromium") or "/usr/bin/chromium"
     rows: list[dict] = []
+    api_rows: list[dict] = []
     for round_index in range(args.rounds):
         port = free_port()
         studio = start_studio(port)
@@ -107,12 +120,17 @@ def main() -> int:
                                        ".includes('ready')", timeout=300_000)
                 shown = {variant: page_run(page, variant, args.max_new_tokens) for variant in variants}
                 browser.close()
+            api = api_run(port, prompt, args.max_new_tokens)
         finally:
             studio.terminate()
             studio.wait(30)
         cli_ar = cli_run(prompt, "ar", [], args.max_new_tokens)
+        cli_runs = {variant: cli_run(prompt, "dflash", CLI_FLAGS[variant], args.max_new_tokens) for variant in variants}
+        cli_plain = cli_runs.get("plain") or cli_run(prompt, "dflash", [], args.max_new_tokens)
+        api_rows.append({"round": round_index, "api_tok_s": round(api["tok_s"], 2),
+                         "cli_tok_s": round(cli_plain["end_to_end_tok_s"], 2), "same_text": api["text"] == cli_plain["text"]})
         for variant in variants:
-            cli = cli_run(prompt, "dflash", CLI_FLAGS[variant], args.max_new_tokens)
+            cli = cli_runs[variant]
             page_row = shown[variant]
             rows.append({
                 "round": round_index, "variant": variant,
@@ -130,9 +148,13 @@ def main() -> int:
     for variant in variants:
         ratios = [r["page_speedup"] / r["cli_speedup"] for r in rows if r["variant"] == variant]
         print(f"{variant}: page speedup / CLI speedup, median over rounds: {statistics.median(ratios):.0%}")
+    print("\n/generate end to end (plain DFlash, submit to last update) against the CLI (prefill + decode):")
+    for r in api_rows:
+        print(f"round {r['round']}: /generate {r['api_tok_s']:.1f} tok/s, CLI {r['cli_tok_s']:.1f} tok/s "
+              f"({r['api_tok_s'] / r['cli_tok_s']:.0%}), same text: {r['same_text']}")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(rows, indent=2))
+        args.out.write_text(json.dumps({"page": rows, "api": api_rows}, indent=2))
     return 0
 
 
