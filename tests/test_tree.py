@@ -164,9 +164,20 @@ def test_tree_costs_are_measured_on_the_runner():
     from dflash_core.speculative import measure_tree_costs
 
     runner = FastTarget(tiny_target("llama"))
-    branching, per_path = measure_tree_costs(runner, 16, context=32, repeats=2)
-    assert branching >= 0 and per_path >= 0 and branching + per_path < 1.0
+    before = collect(stream(runner, None, PROMPTS[0], GenerationConfig(max_new_tokens=8, block_size=1).validated(16)))
+    # What is timed: trees of the whole block, as a chain (1 leaf), a fork (2) and a star (15).
+    leaves = []
+    forward_tree = runner.forward_tree
+
+    def recording(tree, *args, **kwargs):
+        assert len(tree.tokens) == 16
+        leaves.append(len(set(range(16)) - set(tree.parents)))
+        return forward_tree(tree, *args, **kwargs)
+
+    runner.forward_tree = recording
+    measure_tree_costs(runner, 16, context=32, repeats=2)
+    assert set(leaves) == {1, 2, 15}
     assert measure_tree_costs(runner, 3) == (0.0, 0.0)
-    # The runner is left usable: a fresh sequence decodes as before.
-    ar = collect(stream(runner, None, PROMPTS[0], GenerationConfig(max_new_tokens=8, block_size=1).validated(16)))
-    assert len(ar.token_ids) == 8
+    # The runner is left usable: a fresh sequence decodes exactly as before.
+    after = collect(stream(runner, None, PROMPTS[0], GenerationConfig(max_new_tokens=8, block_size=1).validated(16)))
+    assert after.token_ids == before.token_ids
