@@ -137,3 +137,20 @@ def test_the_recipe_without_answers_says_what_to_run(tiny_chat_target, tmp_path)
                             settings=TrainSettings(mask_token_id=7, target_layer_ids=[0, 1]))
     with pytest.raises(TrainingError, match="gen-data"):
         run_recipe(tiny_chat_target, options, ["features"])
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--slots", "0"], "--slots 0: must be at least 1"),
+    (["--max-new-tokens", "0"], "--max-new-tokens 0: must be at least 1"),
+    (["--shard-prompts", "-3"], "--shard-prompts -3: must be at least 1"),
+    (["--minutes", "0"], "--minutes 0.0: must be more than 0"),
+])
+def test_gen_data_settings_no_run_can_use_are_one_line_errors_before_loading(tmp_path, capsys, flags, message):
+    from dflash_core import cli
+
+    write_prompts([Prompt("p0", "test", [{"role": "user", "content": "hi"}])], tmp_path / "prompts.jsonl")
+    code = cli.main(["gen-data", "--target", str(tmp_path / "never-loaded"), "--prompts", str(tmp_path / "prompts.jsonl"),
+                     "--data-dir", str(tmp_path / "data"), *flags])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.startswith(f"error: {message}") and "\n" not in err
+    assert not (tmp_path / "data").exists()

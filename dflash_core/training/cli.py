@@ -103,12 +103,14 @@ def cmd_gen_data(args: argparse.Namespace) -> int:
     if not args.prompts.is_file():
         raise TrainingError(f"prompt file {args.prompts} does not exist (the committed set is "
                             "assets/data/train_prompts.jsonl.gz)")
-    target = load_target(target_source(args.target, args.pair, getattr(args, "registry", None)), args.target_dtype,
-                         args.device, progress=log)
-    stats = generate_shards(target, GenDataOptions(
+    options = GenDataOptions(
         prompts_file=args.prompts, data_dir=args.data_dir, minutes=args.minutes, max_answer_tokens=args.max_tokens,
         shard_prompts=args.shard_prompts, slots=args.slots, max_new_tokens=args.max_new_tokens,
-    ))
+    )
+    options.check()  # before the target loads (minutes for a large one)
+    target = load_target(target_source(args.target, args.pair, getattr(args, "registry", None)), args.target_dtype,
+                         args.device, progress=log)
+    stats = generate_shards(target, options)
     print(json.dumps(stats, indent=2))
     return 0
 

@@ -23,6 +23,7 @@ from ..hardware import hardware_summary
 from ..loading import LoadedTarget
 from ..target import FastTarget
 from .batched_decode import Answer, greedy_decode_stream
+from .errors import TrainingError
 from .prompt_sources import Prompt, read_prompts, summarize
 from .selfdistill import _hf_generate_batches, chat_ids
 from .shards import DataDir, ShardContent, prompt_order, shard_name, write_shard
@@ -42,6 +43,16 @@ class GenDataOptions:
     # second target pass); they go to ``features_dir``, never to the committed data.
     feature_layers: Sequence[int] = ()
     features_dir: Path | None = None
+
+    def check(self) -> None:
+        """Refuse settings no run can use, before a target is loaded (``gen-data`` flags)."""
+        counts = {"--shard-prompts": self.shard_prompts, "--slots": self.slots, "--max-new-tokens": self.max_new_tokens,
+                  "max_prompt_tokens": self.max_prompt_tokens, "--max-tokens": self.max_answer_tokens}
+        for flag, value in counts.items():
+            if value is not None and value < 1:
+                raise TrainingError(f"{flag} {value}: must be at least 1")
+        if self.minutes is not None and not self.minutes > 0:
+            raise TrainingError(f"--minutes {self.minutes}: must be more than 0 (leave it out to run until done)")
 
 
 def target_key(target: LoadedTarget) -> str:
@@ -103,6 +114,7 @@ def generate_shards(target: LoadedTarget, options: GenDataOptions) -> dict[str, 
 
     Returns this run's counts and the data directory's totals; ``exhausted`` says every prompt
     of the file is answered (more data then needs more prompts appended to it)."""
+    options.check()
     data = DataDir(options.data_dir)
     data.check_settings(data_settings(target, options))
     order = prompt_order(read_prompts(options.prompts_file))
