@@ -117,7 +117,7 @@ def markdown_summary(settings: dict[str, Any], summary: dict[str, Any]) -> str:
         f"{summary.get('speedup_vs_prompt_lookup')} | {summary.get('ar_vs_hf_generate')} | {summary.get('lossless')} | "
         f"{summary.get('mean_draft_ms')} | {summary.get('mean_verify_ms')} |",
     ]
-    extra = {k: v for k, v in summary.items() if k.startswith(("tau_", "speedup_dflash"))}
+    extra = {k: v for k, v in summary.items() if k.startswith(("tau_", "speedup_dflash")) and k != "tau_hf_dflash"}
     if extra:
         lines += ["", "| " + " | ".join(extra) + " |", "|" + "---|" * len(extra), "| " + " | ".join(str(v) for v in extra.values()) + " |"]
     lines += _peer_lines(summary)
