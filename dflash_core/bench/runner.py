@@ -24,7 +24,6 @@ the methods rotates from prompt to prompt, after a warm-up of every method.
 
 from __future__ import annotations
 
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -331,7 +330,3 @@ def summarize(records: list[PromptRecord], block_size: int, temperature: float) 
         summary[f"{peer}_differs_from_ar"] = {i: at for i, at in parted.items() if at is not None} if compared else None
         summary[f"{peer}_compared_prompts"] = len(parted) if compared else None
     return summary
-
-
-def warn(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
