@@ -239,3 +239,50 @@ BAD_INPUT_ROWS = [
     ("temperature NaN", "hi", {"temperature": math.nan}, "temperature = nan"),
     ("temperature huge", "hi", {"temperature": 1e6}, "temperature = 1000000.0"),
 ]
+
+
+# ------------------------------------------------------------------------ thinking-mode helpers
+def empty_think_block(tokenizer) -> list[int]:  # noqa: ANN001
+    """The ids of the empty think block a Qwen3-style template writes when thinking is off."""
+    return tokenizer.encode("<think>\n\n</think>\n\n", add_special_tokens=False)
+
+
+def contains_run(ids: list[int], part: list[int]) -> bool:
+    """Whether ``part`` occurs in ``ids`` as a contiguous run."""
+    return any(ids[i : i + len(part)] == part for i in range(len(ids) - len(part) + 1))
+
+
+def thinking_registry(folder, thinking_line: str = "", template: str = QWEN3_STYLE_TEMPLATE):  # noqa: ANN001, ANN201
+    """A models.toml in ``folder`` with one pair, ``tiny``: a tiny qwen3 target whose chat
+    template has (or, with PLAIN_TEMPLATE, lacks) the thinking switch, and a random drafter."""
+    target = folder / "target"
+    tiny_target("qwen3").save_pretrained(target)
+    tiny_chat_tokenizer(template).save_pretrained(target)
+    file = folder / "models.toml"
+    file.write_text(f'[pairs.tiny]\ntarget = {{ path = "target" }}\ndrafter = {{ random = true, layers = 1 }}\n'
+                    f'dtype = "float32"\n{thinking_line}\n')
+    return file
+
+
+# --------------------------------------------------------------- the studio in a real browser
+def open_studio(browser, url: str):  # noqa: ANN001, ANN201
+    """A Playwright page on the studio at ``url``, once its Generate button is there."""
+    page = browser.new_page(viewport={"width": 1400, "height": 1800})
+    page.goto(url, wait_until="load")
+    page.wait_for_selector("#dfs-generate", timeout=60_000)
+    return page
+
+
+def wait_for_status(page, text: str, timeout_ms: int) -> None:  # noqa: ANN001
+    page.wait_for_function(f"() => (document.querySelector('#dfs-status')?.innerText || '').includes({text!r})",
+                           timeout=timeout_ms)
+
+
+def generate_in_page(page, prompt: str, until: str, max_new_tokens: int | None = None) -> None:  # noqa: ANN001
+    """Type a prompt in the Live tab, press Generate, wait until the status line shows ``until``."""
+    page.locator("#dfs-prompt textarea").fill(prompt)
+    if max_new_tokens is not None:
+        page.locator("#dfs-max-new input[type=number]").fill(str(max_new_tokens))
+        page.locator("#dfs-max-new input[type=number]").press("Enter")
+    page.locator("#dfs-generate").click()
+    wait_for_status(page, until, 240_000)

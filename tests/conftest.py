@@ -4,6 +4,12 @@
 from __future__ import annotations
 
 import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -39,3 +45,54 @@ def tiny_chat_target(tmp_path_factory):
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return load_target(ModelSource("path", str(folder)), "float32", "cpu")
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def app_server():
+    port = _free_port()
+    env = {**os.environ, "GRADIO_SERVER_PORT": str(port), "GRADIO_ANALYTICS_ENABLED": "False",
+           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
+    env.pop("GRADIO_SERVER_NAME", None)
+    proc = subprocess.Popen([sys.executable, "-m", "app"], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}/"
+    deadline = time.time() + 180
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"app exited early:\n{proc.stdout.read()}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    break
+        except OSError:
+            time.sleep(0.5)
+    else:
+        proc.kill()
+        raise RuntimeError("app did not start in 180 s")
+    yield url, proc
+    proc.terminate()
+    try:
+        proc.wait(20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+@pytest.fixture(scope="module")
+def app_url(app_server):
+    return app_server[0]
+
+
+@pytest.fixture(scope="module")
+def client(app_url):
+    from gradio_client import Client
+
+    return Client(app_url, verbose=False)

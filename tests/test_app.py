@@ -6,9 +6,6 @@ import json
 import os
 import re
 import shutil
-import socket
-import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -16,58 +13,10 @@ from pathlib import Path
 import pytest
 
 from dflash_core import cli
+from dflash_core.testing import generate_in_page, open_studio, wait_for_status
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parent.parent
 PROMPT = "Name three colours of the rainbow."
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def app_server():
-    port = _free_port()
-    env = {**os.environ, "GRADIO_SERVER_PORT": str(port), "GRADIO_ANALYTICS_ENABLED": "False",
-           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
-    env.pop("GRADIO_SERVER_NAME", None)
-    proc = subprocess.Popen([sys.executable, "-m", "app"], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}/"
-    deadline = time.time() + 180
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"app exited early:\n{proc.stdout.read()}")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    break
-        except OSError:
-            time.sleep(0.5)
-    else:
-        proc.kill()
-        raise RuntimeError("app did not start in 180 s")
-    yield url, proc
-    proc.terminate()
-    try:
-        proc.wait(20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-
-
-@pytest.fixture(scope="module")
-def app_url(app_server):
-    return app_server[0]
-
-
-@pytest.fixture(scope="module")
-def client(app_url):
-    from gradio_client import Client
-
-    return Client(app_url, verbose=False)
 
 
 def default_pair() -> str:
@@ -183,28 +132,6 @@ def test_bad_input_is_refused_and_the_app_keeps_serving(client):
     assert client.predict("Say hi.", 4, 16, 0.0, "", api_name="/generate")["tokens"] >= 1
 
 
-def open_studio(browser, url: str):
-    page = browser.new_page(viewport={"width": 1400, "height": 1800})
-    page.goto(url, wait_until="load")
-    page.wait_for_selector("#dfs-generate", timeout=60_000)
-    return page
-
-
-def wait_for_status(page, text: str, timeout_ms: int) -> None:
-    page.wait_for_function(f"() => (document.querySelector('#dfs-status')?.innerText || '').includes({text!r})",
-                           timeout=timeout_ms)
-
-
-def generate(page, prompt: str, until: str, max_new_tokens: int | None = None) -> None:
-    """Type a prompt, press Generate, wait until the status line shows ``until``."""
-    page.locator("#dfs-prompt textarea").fill(prompt)
-    if max_new_tokens is not None:
-        page.locator("#dfs-max-new input[type=number]").fill(str(max_new_tokens))
-        page.locator("#dfs-max-new input[type=number]").press("Enter")
-    page.locator("#dfs-generate").click()
-    wait_for_status(page, until, 240_000)
-
-
 @pytest.mark.browser
 def test_real_browser_runs_a_generation_and_shows_coloured_tokens_and_plots(app_url, tmp_path, capsys):
     from playwright.sync_api import sync_playwright
@@ -220,7 +147,7 @@ def test_real_browser_runs_a_generation_and_shows_coloured_tokens_and_plots(app_
         page = open_studio(browser, app_url)
         # The defaults: the fastest variant (tree + prompt lookup + adaptive), named on the page.
         prompt = "Write a Python class Point with x and y, and methods add and sub."
-        generate(page, prompt, until="done", max_new_tokens=96)
+        generate_in_page(page, prompt, until="done", max_new_tokens=96)
         assert "tree + prompt lookup + adaptive" in page.locator("#dfs-status").inner_text()
         assert page.locator("#dfs-dflash .tok-target").count() >= 1
         assert page.locator("#dfs-dflash .tok").count() >= 5
@@ -241,11 +168,11 @@ def test_real_browser_runs_a_generation_and_shows_coloured_tokens_and_plots(app_
         shot.parent.mkdir(parents=True, exist_ok=True)
         page.screenshot(path=str(shot), full_page=True)
         # Stop really stops: a long run, Stop, then the status says so.
-        generate(page, "Tell me a very long story about the sea.", until="running")
+        generate_in_page(page, "Tell me a very long story about the sea.", until="running")
         page.locator("#dfs-stop").click()
         wait_for_status(page, "stopped", 60_000)
         # A tab closed in the middle of a run frees the engine: a new tab is served normally.
-        generate(page, "Tell me a very long story about mountains.", until="running", max_new_tokens=1500)
+        generate_in_page(page, "Tell me a very long story about mountains.", until="running", max_new_tokens=1500)
         page.close()
         from gradio_client import Client
 
@@ -256,11 +183,11 @@ def test_real_browser_runs_a_generation_and_shows_coloured_tokens_and_plots(app_
         # Plain DFlash, as published, is one click away; prompt lookup's drafts show in the log
         # when it is on.
         page.locator("#dfs-variant input[value=plain]").check()
-        generate(page, "Say hi.", until="done")
+        generate_in_page(page, "Say hi.", until="done")
         assert "plain DFlash" in page.locator("#dfs-status").inner_text()
         assert "tree of" not in page.locator("#dfs-log").inner_text()
         page.locator("#dfs-variant input[value=fastest]").check()
-        generate(page, prompt, until="running", max_new_tokens=64)
+        generate_in_page(page, prompt, until="running", max_new_tokens=64)
         wait_for_status(page, "done", 240_000)  # "done" of this run, not of the one before
         assert "from prompt lookup" in page.locator("#dfs-log").inner_text()
         assert page.locator("#dfs-log .tok-lookup").count() >= 1

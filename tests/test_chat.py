@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from dflash_core.messages import encode_messages
-from test_app import app_server, app_url  # noqa: F401  (the launched studio, for the browser test)
+from dflash_core.testing import contains_run as has, empty_think_block, open_studio, thinking_registry
 from dflash_core.speculative import GenerationConfig, collect
 
 pytestmark = pytest.mark.slow
@@ -181,20 +181,16 @@ def test_the_thinking_box_is_off_and_disabled_for_a_template_without_the_switch(
 
 
 @pytest.fixture(scope="module")
-def thinking_registry(tmp_path_factory):
-    from test_thinking import make_registry
-
-    return str(make_registry(tmp_path_factory.mktemp("thinking"), "enable_thinking = false"))
+def thinking_pair(tmp_path_factory):
+    return str(thinking_registry(tmp_path_factory.mktemp("thinking"), "enable_thinking = false"))
 
 
-def test_the_thinking_box_follows_the_pair_and_reaches_the_template(thinking_registry):
-    from test_thinking import contains as has, empty_think_block
-
+def test_the_thinking_box_follows_the_pair_and_reaches_the_template(thinking_pair):
     from app.chat import thinking_box
     from app.service import StudioService
     from app.studio import build_studio
 
-    service = StudioService(thinking_registry, warm_up=False)
+    service = StudioService(thinking_pair, warm_up=False)
     assert thinking_box(service, "tiny").interactive is False  # not loaded yet
     box = thinking_box(service, "tiny", load=True)
     assert box.interactive is True and box.value is False and "off" in box.info  # the pair's setting
@@ -219,13 +215,11 @@ def test_the_thinking_box_follows_the_pair_and_reaches_the_template(thinking_reg
         assert visible_text(final[studio.views.dflash_text]) == engine.decode(greedy_reference(engine, ids, 8))
 
 
-def test_the_openai_server_defaults_thinking_to_the_pairs_setting(thinking_registry):
-    from test_thinking import contains as has, empty_think_block
-
+def test_the_openai_server_defaults_thinking_to_the_pairs_setting(thinking_pair):
     from dflash_core.engine import Engine
     from dflash_core.serving import generation, protocol
 
-    engine = Engine.from_registry("tiny", thinking_registry)
+    engine = Engine.from_registry("tiny", thinking_pair)
     block = empty_think_block(engine.tokenizer)
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi there"}], "max_tokens": 4}
     default, _ = generation.prepare(engine, protocol.parse(body, "chat"))
@@ -235,7 +229,6 @@ def test_the_openai_server_defaults_thinking_to_the_pairs_setting(thinking_regis
 
 
 def open_chat(browser, url: str):
-    from test_app import open_studio
 
     page = open_studio(browser, url)
     page.get_by_role("tab", name="Chat").click()

@@ -38,13 +38,14 @@ def project_modules() -> dict[str, Path]:
 def test_scripts_and_tests_get_shared_models_from_the_package():
     """Tiny models and reference drafters come from ``dflash_core.testing``: no script imports
     ``tests/`` (a lent GPU machine runs scripts/gpu_check.py with only the package on the path),
-    no test imports ``conftest`` (pytest injects its fixtures)."""
+    no test imports ``conftest`` (pytest injects its fixtures) or another test module."""
     offenders = []
     for path in sorted((ROOT / "scripts").glob("*.py")):
         offenders += [f"{path.name}:{line}: {module}" for module, _, line in imports(path)
                       if module == "conftest" or module.split(".")[0].startswith("test")]
     for path in sorted((ROOT / "tests").glob("*.py")):
-        offenders += [f"{path.name}:{line}: {module}" for module, _, line in imports(path) if module == "conftest"]
+        offenders += [f"{path.name}:{line}: {module}" for module, _, line in imports(path)
+                      if module == "conftest" or module.split(".")[0].startswith("test_")]
     assert offenders == []
 
 

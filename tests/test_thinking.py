@@ -14,15 +14,8 @@ from dflash_core.engine import Engine
 from dflash_core.errors import RegistryError, SettingsError
 from dflash_core.prompting import encode_prompt, has_thinking_switch
 from dflash_core.registry import load_registry
-from dflash_core.testing import PLAIN_TEMPLATE, QWEN3_STYLE_TEMPLATE, tiny_chat_tokenizer, tiny_target
-
-
-def empty_think_block(tokenizer) -> list[int]:
-    return tokenizer.encode("<think>\n\n</think>\n\n", add_special_tokens=False)
-
-
-def contains(ids: list[int], part: list[int]) -> bool:
-    return any(ids[i : i + len(part)] == part for i in range(len(ids) - len(part) + 1))
+from dflash_core.testing import (PLAIN_TEMPLATE, QWEN3_STYLE_TEMPLATE, contains_run, empty_think_block,
+                                 thinking_registry, tiny_chat_tokenizer, tiny_target)
 
 
 def test_the_template_gets_enable_thinking_only_when_asked():
@@ -32,8 +25,8 @@ def test_the_template_gets_enable_thinking_only_when_asked():
     default = encode_prompt(tok, "hi there")
     on = encode_prompt(tok, "hi there", enable_thinking=True)
     off = encode_prompt(tok, "hi there", enable_thinking=False)
-    assert default == on and not contains(on, block)  # the template's default: thinking
-    assert contains(off, block) and off[: len(on)] == on
+    assert default == on and not contains_run(on, block)  # the template's default: thinking
+    assert contains_run(off, block) and off[: len(on)] == on
     assert tok.decode(off).endswith("assistant\n<think>\n\n</think>\n\n")
 
 
@@ -60,20 +53,10 @@ def test_enable_thinking_in_the_registry(tmp_path):
         load_registry(file)
 
 
-def make_registry(tmp_path, thinking_line: str = "", template: str = QWEN3_STYLE_TEMPLATE):
-    target = tmp_path / "target"
-    tiny_target("qwen3").save_pretrained(target)
-    tiny_chat_tokenizer(template).save_pretrained(target)
-    file = tmp_path / "models.toml"
-    file.write_text(f'[pairs.tiny]\ntarget = {{ path = "target" }}\ndrafter = {{ random = true, layers = 1 }}\n'
-                    f'dtype = "float32"\n{thinking_line}\n')
-    return file
-
-
 def test_engine_prepare_applies_the_pairs_choice_and_a_requests_override(tmp_path):
     from dflash_core.speculative import GenerationConfig
 
-    engine = Engine.from_registry("tiny", str(make_registry(tmp_path, "enable_thinking = false")))
+    engine = Engine.from_registry("tiny", str(thinking_registry(tmp_path, "enable_thinking = false")))
     block = empty_think_block(engine.tokenizer)
     config = GenerationConfig(max_new_tokens=8)
     assert engine.thinking_switch and engine.pair.enable_thinking is False
@@ -81,8 +64,8 @@ def test_engine_prepare_applies_the_pairs_choice_and_a_requests_override(tmp_pat
     on, _ = engine.prepare("hi", config, enable_thinking=True)
     off, _ = engine.prepare("hi", config, "ar", enable_thinking=False)
     raw, _ = engine.prepare("hi", config, raw=True)  # no template: the pair's choice does not apply
-    assert contains(pair_default, block) and pair_default == off
-    assert not contains(on, block)
+    assert contains_run(pair_default, block) and pair_default == off
+    assert not contains_run(on, block)
     assert raw == engine.tokenizer("hi")["input_ids"]
     result = engine.generate("hi", config, enable_thinking=True)
     assert 1 <= len(result.token_ids) <= 8
@@ -92,13 +75,13 @@ def test_engine_prepare_applies_the_pairs_choice_and_a_requests_override(tmp_pat
 def test_a_pair_that_sets_thinking_on_a_template_without_the_switch_says_so(tmp_path):
     from dflash_core.speculative import GenerationConfig
 
-    engine = Engine.from_registry("tiny", str(make_registry(tmp_path, "enable_thinking = true", PLAIN_TEMPLATE)))
+    engine = Engine.from_registry("tiny", str(thinking_registry(tmp_path, "enable_thinking = true", PLAIN_TEMPLATE)))
     with pytest.raises(SettingsError, match="remove enable_thinking from the pair"):
         engine.prepare("hi", GenerationConfig(max_new_tokens=4))
 
 
 def test_cli_thinking_flags(tmp_path, capsys):
-    registry = str(make_registry(tmp_path, "enable_thinking = false"))
+    registry = str(thinking_registry(tmp_path, "enable_thinking = false"))
 
     def run(*flags: str) -> dict:
         assert cli.main(["--registry", registry, "generate", "--pair", "tiny", "--json", "--prompt", "hello",
