@@ -11,13 +11,18 @@ the engine's own (event timestamps taken in the engine's thread).
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from typing import Any, Callable
 
 from dflash_core.speculative import CycleEvent, GenerationConfig
 
-UPDATES_PER_S = 10  # page updates while a run is going: each may carry several cycles
+# Page updates while a run is going (each may carry several cycles). Every update costs the
+# browser, on the same cores, more than its few bytes suggest (Gradio's frontend handles each
+# message); 4 a second kept the page smooth and cost the engine less than 10 did in
+# scripts/studio_bench.py (docs/BENCHMARKS.md). DFLASH_UI_UPDATES_PER_S changes it.
+UPDATES_PER_S = float(os.environ.get("DFLASH_UI_UPDATES_PER_S", "4"))
 
 
 class BackgroundRun:

@@ -138,7 +138,7 @@ def speedup_html(dflash: RunRecord | None, ar: RunRecord | None, same_text: bool
 TIMING_NOTE = (
     "How the comparison is timed: DFlash runs first, then the autoregressive baseline, on the same "
     "engine and the same CPU cores, never at the same time. The engine runs in its own thread and "
-    "this page is sent what is new about ten times a second, so showing a run barely slows it; each "
+    "this page is sent what is new about four times a second, so showing a run costs it little; each "
     "timer is the engine's own clock for its run. Both runs are warm (the pair is warmed up when it "
     "loads). Tokens/s excludes the prompt prefill (the first token), as in z-lab's benchmark. The race "
     "chart replays both runs on a common clock starting at zero."

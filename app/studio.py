@@ -1,7 +1,7 @@
 """DFlash Studio: the Gradio app.
 
 * Live view: the engine runs in its own thread at full speed; the page gets what is new (tokens
-  coloured by origin, cycle-log rows, counters) at most ten times a second, appended in the
+  coloured by origin, cycle-log rows, counters) at most four times a second, appended in the
   browser, so what it shows costs the engine little and does not grow with the output.
 * An honest autoregressive baseline on the same engine, run after DFlash (never at the same time)
   with its own timer (the engine's timestamps), and the speedup.
@@ -240,11 +240,6 @@ class Studio:
                         update["log"] = render.cycle_rows(record.cycles[shown_cycles:])
                     yield {v.live_update: json.dumps(update), counters: render.counters_html(record, "DFlash" if
                            mode == "dflash" else "Autoregressive")}
-                # Plots once per run, after it: they are the heaviest thing to build and draw.
-                d, a = records.get("dflash"), records.get("ar")
-                yield {v.plot_accept: charts.acceptance_per_cycle(d),
-                       v.plot_hist: charts.acceptance_histogram(d, int(block or 16)),
-                       v.plot_phase: charts.phase_times(d), v.plot_race: charts.race(d, a)}
         except DFlashError as exc:
             yield {v.status: f"⚠️ {exc}"}
             return
@@ -264,6 +259,11 @@ class Studio:
             v.dflash_counters: render.counters_html(d, "DFlash"),
             v.ar_counters: render.counters_html(a, "Autoregressive"),
             v.speedup: render.speedup_html(d, a, same, variant),
+            # The plots once, at the end: they are the heaviest thing to build and to draw, and a
+            # browser drawing them beside a timed run would slow it.
+            v.plot_accept: charts.acceptance_per_cycle(d),
+            v.plot_hist: charts.acceptance_histogram(d, int(block or 16)),
+            v.plot_phase: charts.phase_times(d), v.plot_race: charts.race(d, a),
         }
 
     def model_status(self) -> tuple[str, Any]:
