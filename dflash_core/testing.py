@@ -286,3 +286,29 @@ def generate_in_page(page, prompt: str, until: str, max_new_tokens: int | None =
         page.locator("#dfs-max-new input[type=number]").press("Enter")
     page.locator("#dfs-generate").click()
     wait_for_status(page, until, 240_000)
+
+
+def browser_session(session_hash: str) -> type:
+    """A stand-in for the ``gr.Request`` Gradio passes a handler: what the studio reads of it."""
+    return type("Request", (), {"session_hash": session_hash})
+
+
+def exact_three_tokens(model: torch.nn.Module, prompt: list[int], temperature: float, vocab: int) -> dict[tuple, float]:
+    """The target's exact distribution over its next three tokens after ``prompt`` when sampling
+    at ``temperature`` (from the model alone, token by token): what sampling tests compare with."""
+    from dflash_core import acceptance
+
+    def next_probs(ids: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0, -1]
+        return acceptance.warp(logits, temperature)
+
+    expected = {}
+    p1 = next_probs(prompt)
+    for a in range(vocab):
+        p2 = next_probs(prompt + [a])
+        for b in range(vocab):
+            p3 = next_probs(prompt + [a, b])
+            for c in range(vocab):
+                expected[(a, b, c)] = float(p1[a] * p2[b] * p3[c])
+    return expected

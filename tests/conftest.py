@@ -96,3 +96,13 @@ def client(app_url):
     from gradio_client import Client
 
     return Client(app_url, verbose=False)
+
+
+@pytest.fixture(scope="module")
+def studio():
+    """The studio's handlers on the registry's pairs, in process (no server, no warm-up)."""
+    from app.service import StudioService
+    from app.studio import build_studio
+
+    studio, _ = build_studio(StudioService(warm_up=False))
+    return studio

@@ -13,24 +13,14 @@ from pathlib import Path
 import pytest
 
 from dflash_core.messages import encode_messages
-from dflash_core.testing import contains_run as has, empty_think_block, open_studio, thinking_registry
+from dflash_core.testing import browser_session, contains_run as has, empty_think_block, open_studio, thinking_registry
 from dflash_core.speculative import GenerationConfig, collect
 
 pytestmark = pytest.mark.slow
 MAX_NEW = 16
 
 
-class Request:
-    session_hash = "chat-session"
-
-
-@pytest.fixture(scope="module")
-def studio():
-    from app.service import StudioService
-    from app.studio import build_studio
-
-    studio, _ = build_studio(StudioService(warm_up=False))
-    return studio
+Request = browser_session("chat-session")
 
 
 def say(studio, message: str | None, history: list, max_new: int = MAX_NEW, baseline: bool = False,

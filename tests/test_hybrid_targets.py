@@ -11,10 +11,11 @@ import json
 import pytest
 import torch
 
-from dflash_core import acceptance, cli
+from dflash_core import cli
 from dflash_core.speculative import GenerationConfig, collect, stream
 from dflash_core.target import HFTarget, fast_path_reason, make_runner
 from dflash_core.testing import (
+    exact_three_tokens,
     TINY_SLIDING_WINDOW,
     OracleDrafter,
     SometimesRightDrafter,
@@ -166,19 +167,7 @@ def test_dflash_sampling_follows_the_targets_distribution(family):
     drafter = hybrid_drafter(model, block_size=4, mask_token_id=4, seed=2)
     prompt = [1, 3, 0, 2, 4, 1, 1, 3, 0, 2]
 
-    def next_probs(ids):
-        with torch.no_grad():
-            logits = model(torch.tensor([ids])).logits[0, -1]
-        return acceptance.warp(logits, temperature)
-
-    expected = {}
-    p1 = next_probs(prompt)
-    for a in range(vocab):
-        p2 = next_probs(prompt + [a])
-        for b in range(vocab):
-            p3 = next_probs(prompt + [a, b])
-            for c in range(vocab):
-                expected[(a, b, c)] = float(p1[a] * p2[b] * p3[c])
+    expected = exact_three_tokens(model, prompt, temperature, vocab)
     n = 1200
     observed: dict[tuple, int] = {}
     accepted = rejected = 0

@@ -10,23 +10,15 @@ import re
 
 import pytest
 
+from dflash_core.testing import browser_session
+
 from dflash_core.speculative import GenerationConfig
 
 pytestmark = pytest.mark.slow
 PROMPT = "Write a Python function that checks whether a string is a palindrome."
 
 
-class Request:
-    session_hash = "test-session"
-
-
-@pytest.fixture(scope="module")
-def studio():
-    from app.service import StudioService
-    from app.studio import build_studio
-
-    studio, _ = build_studio(StudioService(warm_up=False))
-    return studio
+Request = browser_session("test-session")
 
 
 def run_compare(studio, max_new: int, variant=(True, True, True), baseline: bool = True):

@@ -16,7 +16,7 @@ import torch
 from dflash_core import acceptance
 from dflash_core.speculative import GenerationConfig, collect, stream
 from dflash_core.target import FastTarget
-from dflash_core.testing import chi_square_passes, tiny_drafter, tiny_target
+from dflash_core.testing import exact_three_tokens, chi_square_passes, tiny_drafter, tiny_target
 
 
 @pytest.mark.parametrize("rule", ["match", "pq", "pq-draft-vocab"])
@@ -124,19 +124,7 @@ def test_dflash_sampling_follows_the_targets_distribution_end_to_end(rule, draft
     prompt = [1, 3, 0, 2]
 
     # The exact distribution of 3 tokens, from the target alone.
-    def next_probs(ids):
-        with torch.no_grad():
-            logits = model(torch.tensor([ids])).logits[0, -1]
-        return acceptance.warp(logits, temperature)
-
-    expected = {}
-    p1 = next_probs(prompt)
-    for a in range(vocab):
-        p2 = next_probs(prompt + [a])
-        for b in range(vocab):
-            p3 = next_probs(prompt + [a, b])
-            for c in range(vocab):
-                expected[(a, b, c)] = float(p1[a] * p2[b] * p3[c])
+    expected = exact_three_tokens(model, prompt, temperature, vocab)
 
     n = 2000
     observed: dict[tuple, int] = {}
