@@ -94,13 +94,27 @@ def encode_prompt(
         ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
     else:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                            **thinking_kwargs(tokenizer, enable_thinking))
-        if hasattr(ids, "keys"):
-            ids = ids["input_ids"]
+        return template_ids(tokenizer, messages, enable_thinking)
     ids = list(ids)
     if not ids:
         raise PromptError("the prompt encodes to no tokens")
+    return ids
+
+
+def template_ids(tokenizer: Any, messages: list[dict[str, str]], enable_thinking: bool | None = None) -> list[int]:
+    """Token ids of ``messages`` through the tokenizer's chat template, ready for the next answer."""
+    try:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                            **thinking_kwargs(tokenizer, enable_thinking))
+    except SettingsError:
+        raise
+    except Exception as exc:  # jinja's TemplateError and the template's own raise_exception()
+        raise PromptError(f"the target's chat template refused these messages: {exc}") from None
+    if hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    ids = list(ids)
+    if not ids:
+        raise PromptError("the messages encode to no tokens")
     return ids
 
 

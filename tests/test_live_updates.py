@@ -48,8 +48,6 @@ def test_each_token_and_cycle_is_sent_once_and_the_final_panes_are_the_record(st
         assert f'<div class="dfs-text">{sent}</div>' == final[pane], mode
     rows = [u["log"] for u in live if "log" in u]
     assert f'<div class="dfs-log">{"".join(reversed(rows))}</div>' == final[v.log]  # newest first
-    assert [u["seq"] for u in live] == list(range(len(live)))
-    assert len({u["run"] for u in live}) == 1
     # Every update but the panes' own is small and carries no earlier token: the largest update
     # of the second half of the run is no larger than the largest of the first half plus what its
     # own new tokens and cycles take (the counters are of fixed size).
