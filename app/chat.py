@@ -10,8 +10,6 @@ context error.
 
 from __future__ import annotations
 
-import itertools
-import json
 import threading
 from dataclasses import dataclass, fields, replace
 from typing import Any, Callable, Iterator
@@ -24,7 +22,7 @@ from dflash_core.prompting import check_fits_context
 from dflash_core.speculative import GenerationConfig
 
 from . import render
-from .live import BackgroundRun, recorded_batches
+from .live import live_runs
 from .recording import RunRecord
 
 # Where the Chat tab's live updates go (APPLY_LIVE_UPDATE_JS reads them from each update): the
@@ -208,24 +206,16 @@ class Chat:
             v.speedup: render.speedup_html(None, None, None),
         }
         records: dict[str, RunRecord] = {}
-        sequence = itertools.count()
         runs = [("dflash", cfg)] + ([("ar", ar_cfg)] if baseline else [])
         try:
-            for mode, run_cfg in runs:
-                if stop.is_set():
-                    break
+            for mode, update in live_runs(engine, ids, runs, stop, run_id, records, CHAT_PANES):
+                if update is None:
+                    yield {v.status: f"▶ answering with DFlash ({name})…" if mode == "dflash"
+                           else "▶ running the autoregressive baseline on the same prompt…"}
+                    continue
                 label = "DFlash" if mode == "dflash" else "Autoregressive"
-                yield {v.status: f"▶ answering with DFlash ({name})…" if mode == "dflash"
-                       else "▶ running the autoregressive baseline on the same prompt…"}
-                run = BackgroundRun(engine, ids, run_cfg, should_stop=stop.is_set)
-                record = records[mode] = RunRecord(mode, started=run.started)
                 counters = v.counters if mode == "dflash" else v.ar_counters
-                for tokens, cycles in recorded_batches(run, record, engine.tokenizer):
-                    update = {"run": run_id, "seq": next(sequence), "panes": CHAT_PANES,
-                              mode: render.token_spans(tokens, mode)}
-                    if mode == "dflash" and cycles:
-                        update["log"] = render.cycle_rows(cycles)
-                    yield {v.live_update: json.dumps(update), counters: render.counters_html(record, label)}
+                yield {v.live_update: update, counters: render.counters_html(records[mode], label)}
         except DFlashError as exc:
             # The user's message stays (Regenerate answers it again); no half answer is kept.
             yield {v.status: f"⚠️ {exc}", v.history: turns, v.conversation: render.chat_html(turns)}

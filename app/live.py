@@ -11,6 +11,8 @@ the engine's own (event timestamps taken in the engine's thread).
 
 from __future__ import annotations
 
+import itertools
+import json
 import os
 import threading
 import time
@@ -98,3 +100,28 @@ def recorded_batches(run: BackgroundRun, record: Any, tokenizer: Any):
         for at, event in batch:
             record.add(event, tokenizer, at=at)
         yield record.tokens[shown_tokens:], record.cycles[shown_cycles:]
+
+
+def live_runs(engine: Any, prompt_ids: list[int], runs: list[tuple[str, GenerationConfig]], stop: threading.Event,
+              run_id: int, records: dict[str, Any], panes: dict[str, str] | None = None):
+    """Each ``(mode, config)`` of ``runs`` in turn ("dflash", then the "ar" baseline), each in
+    its own ``BackgroundRun`` recorded into ``records[mode]`` (a ``RunRecord``); yields
+    ``(mode, None)`` as a run starts, then ``(mode, update)`` per batch: the JSON of one live
+    update (the new token spans, the new cycle-log rows) for the page's APPLY_LIVE_UPDATE_JS."""
+    from . import render
+    from .recording import RunRecord
+
+    sequence = itertools.count()  # consecutive updates must differ, or the page sees no change
+    for mode, config in runs:
+        if stop.is_set():
+            return
+        yield mode, None
+        run = BackgroundRun(engine, prompt_ids, config, should_stop=stop.is_set)
+        record = records[mode] = RunRecord(mode, started=run.started)
+        for tokens, cycles in recorded_batches(run, record, engine.tokenizer):
+            update = {"run": run_id, "seq": next(sequence), mode: render.token_spans(tokens, mode)}
+            if panes:
+                update["panes"] = panes
+            if mode == "dflash" and cycles:
+                update["log"] = render.cycle_rows(cycles)
+            yield mode, json.dumps(update)

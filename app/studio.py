@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import itertools
-import json
 import threading
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -26,7 +25,7 @@ from dflash_core.speculative import GenerationConfig
 
 from . import charts, render
 from .chat import AR_PLACEHOLDER, Chat, ChatViews, thinking_box
-from .live import BackgroundRun, batches
+from .live import BackgroundRun, batches, live_runs
 from .recording import IncrementalDetokenizer, RunRecord
 from .service import StudioService
 from .teaching import TeachingState, explanation_md, formula_md, step_html
@@ -219,27 +218,16 @@ class Studio:
             v.plot_accept: None, v.plot_hist: None, v.plot_phase: None, v.plot_race: None,
         }
         records: dict[str, RunRecord] = {}
-        sequence = itertools.count()
         runs = [("dflash", cfg)] + ([("ar", ar_cfg)] if baseline else [])
         try:
-            for mode, run_cfg in runs:
-                if stop.is_set():
-                    break
-                label = f"DFlash ({variant})" if mode == "dflash" else "the autoregressive baseline"
-                yield {v.status: f"▶ running {label}…"}
-                run = BackgroundRun(engine, ids, run_cfg, should_stop=stop.is_set)
-                record = records[mode] = RunRecord(mode, started=run.started)
-                counters = v.dflash_counters if mode == "dflash" else v.ar_counters
-                for batch in batches(run):
-                    shown_tokens, shown_cycles = len(record.tokens), len(record.cycles)
-                    for at, event in batch:
-                        record.add(event, engine.tokenizer, at=at)
-                    update = {"run": run_id, "seq": next(sequence),
-                              mode: render.token_spans(record.tokens[shown_tokens:], mode)}
-                    if mode == "dflash" and len(record.cycles) > shown_cycles:
-                        update["log"] = render.cycle_rows(record.cycles[shown_cycles:])
-                    yield {v.live_update: json.dumps(update), counters: render.counters_html(record, "DFlash" if
-                           mode == "dflash" else "Autoregressive")}
+            for mode, update in live_runs(engine, ids, runs, stop, run_id, records):
+                if update is None:
+                    label = f"DFlash ({variant})" if mode == "dflash" else "the autoregressive baseline"
+                    yield {v.status: f"▶ running {label}…"}
+                    continue
+                counters, label = ((v.dflash_counters, "DFlash") if mode == "dflash"
+                                   else (v.ar_counters, "Autoregressive"))
+                yield {v.live_update: update, counters: render.counters_html(records[mode], label)}
         except DFlashError as exc:
             yield {v.status: f"⚠️ {exc}"}
             return
