@@ -455,6 +455,10 @@ def build_studio(service: StudioService | None = None) -> tuple[Studio, gr.Block
                         c_stop = gr.Button("Stop", variant="stop", elem_id="dfs-chat-stop")
                         c_regen = gr.Button("Regenerate", elem_id="dfs-chat-regenerate")
                         c_clear = gr.Button("Clear", elem_id="dfs-chat-clear")
+                    with gr.Row(equal_height=True):
+                        c_answer = gr.Dropdown([], value=None, label="Time an answer against the target alone",
+                                               elem_id="dfs-chat-answer", scale=3)
+                        c_time = gr.Button("Run the baseline for this answer", elem_id="dfs-chat-time", scale=1)
                     c_counters = gr.HTML(render.counters_html(None, "DFlash"), elem_id="dfs-chat-counters")
                     c_speedup = gr.HTML(render.speedup_html(None, None, None), elem_id="dfs-chat-speedup")
                     with gr.Row():
@@ -512,13 +516,15 @@ def build_studio(service: StudioService | None = None) -> tuple[Studio, gr.Block
         chat = studio.chat = Chat(studio, VARIANTS, variant_name)
         chat.views = ChatViews(conversation=c_conv, history=c_history, message=c_message, status=c_status,
                                counters=c_counters, ar_counters=c_ar_counters, ar_text=c_ar_text, speedup=c_speedup,
-                               log=c_log, live_update=c_live)
+                               log=c_log, live_update=c_live, answer=c_answer)
         chat_settings = [c_system, c_block, c_temperature, c_max, c_seed, c_baseline, c_variant, c_thinking]
         for trigger in (c_send.click, c_message.submit):
             trigger(gpu(chat.send), [c_pair, c_message, c_history, *chat_settings], chat.views.all(), show_progress="hidden",
                     concurrency_id="engine", concurrency_limit=1, api_visibility="private")
         c_regen.click(gpu(chat.regenerate), [c_pair, c_history, *chat_settings], chat.views.all(), show_progress="hidden",
                       concurrency_id="engine", concurrency_limit=1, api_visibility="private")
+        c_time.click(gpu(chat.time_answer), [c_answer, c_history], chat.views.all(), show_progress="hidden",
+                     concurrency_id="engine", concurrency_limit=1, api_visibility="private")
         c_clear.click(chat.clear, None, chat.views.all(), queue=False, api_visibility="private")
         c_stop.click(studio.stop, None, c_status, queue=False, api_visibility="private")
         c_live.change(None, c_live, None, js=APPLY_LIVE_UPDATE_JS, queue=False, api_visibility="private")
