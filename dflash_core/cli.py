@@ -93,24 +93,27 @@ def result_json(engine: Any, result: Any, mode: str, prompt_tokens: int) -> dict
 def cmd_generate(args: argparse.Namespace) -> int:
     from .engine import Engine
     from .prompting import check_prompt_text, max_new_tokens_limit
-    from .speculative import GenerationConfig, collect
+    from .request import AR, VARIANTS, Request, dflash_variant
+    from .speculative import collect
 
-    config = GenerationConfig(
+    chosen = VARIANTS[AR] if args.mode == AR else dflash_variant(args.tree, args.lookup, args.adaptive)
+    request = Request(
+        prompt=args.prompt, raw=args.raw, thinking=args.thinking, variant=chosen.name,
         max_new_tokens=args.max_new_tokens, block_size=args.block_size, temperature=args.temperature,
-        top_p=args.top_p, top_k=args.top_k, seed=args.seed, rule=args.rule, adaptive=args.adaptive, tree=args.tree,
-        lookup=args.lookup,
+        top_p=args.top_p, top_k=args.top_k, seed=args.seed, rule=args.rule,
     )
     # Refuse what is wrong on its face before spending seconds loading models; the block size's
     # upper bound (the drafter's) and the context length are checked once they are known.
     check_prompt_text(args.prompt)
-    config.validated(max_block_size=1 << 20, max_new_tokens_limit=max_new_tokens_limit())
+    request.generation_config().validated(max_block_size=1 << 20, max_new_tokens_limit=max_new_tokens_limit())
     engine = Engine.from_registry(args.pair, args.registry, progress=log)
-    ids, config = engine.prepare(args.prompt, config, args.mode, args.raw, args.thinking)
-    events = engine.stream_ids(ids, config)
+    resolved = engine.resolve(request)
+    mode = resolved.mode
+    events = engine.stream_ids(resolved.prompt_ids, resolved.config)
     if args.json:
         result = collect(events)
-        out = result_json(engine, result, args.mode, len(ids))
-        out["enable_thinking"] = engine.thinking(args.thinking, args.raw)  # None: the template's default
+        out = result_json(engine, result, mode, len(resolved.prompt_ids))
+        out["enable_thinking"] = resolved.thinking  # None: the template's default
         print(json.dumps(out, ensure_ascii=False))
         return 0
 
@@ -131,8 +134,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     result = collect(echo(events))
     print()
     rate = len(result.token_ids) / result.decode_s if result.decode_s > 0 else float("nan")
-    summary = f"[{args.mode}] {len(result.token_ids)} tokens, {rate:.1f} tok/s, finish={result.finish_reason}"
-    if args.mode == "dflash":
+    summary = f"[{mode}] {len(result.token_ids)} tokens, {rate:.1f} tok/s, finish={result.finish_reason}"
+    if mode == "dflash":
         summary += f", tau={result.tau:.2f} over {len(result.cycles)} cycles"
     log(summary)
     return 0

@@ -1,9 +1,10 @@
 """The engine: a loaded target/drafter pair plus the checks between a request and the loop.
 
-``Engine.stream`` is what every front end calls; it validates the request (prompt, settings,
-context length) and yields the loop's ``CycleEvent``s. A target keeps per-sequence state (its KV
-cache), so one engine serves one generation at a time; ``Engine.lock`` makes that explicit for
-multi-threaded callers such as the UI.
+``Engine.resolve`` is what every front end calls first: it turns a ``request.Request`` into the
+prompt ids and the one validated config the loop runs (settings, thinking, context length), and
+``Engine.stream_ids`` then yields the loop's ``CycleEvent``s (``stream`` does both). A target
+keeps per-sequence state (its KV cache), so one engine serves one generation at a time;
+``Engine.lock`` makes that explicit for multi-threaded callers such as the UI.
 """
 
 from __future__ import annotations
@@ -16,11 +17,12 @@ from . import calibration
 from .errors import SettingsError
 from .loading import LoadedPair, Progress, load_pair
 from .lookup import LookupStats
+from .messages import encode_messages
 from .prompting import check_fits_context, encode_prompt, has_thinking_switch, max_new_tokens_limit, stop_token_ids
 from .registry import load_registry
+from .request import AR, VARIANTS, Request, Resolved, variant
 from .speculative import CycleEvent, GenerationConfig, GenerationResult, collect, measure_tree_costs, measure_verify_costs, stream
 
-MODES = ("dflash", "ar")
 WARM_UP_PROMPT = "Write a Python function that returns the largest of three numbers, with a docstring."
 LOOKUP_MEMORY = 50  # observations per estimate of prompt lookup's chances that still count fully
 
@@ -73,24 +75,42 @@ class Engine:
                                 "no thinking switch: remove enable_thinking from the pair in models.toml")
         return self.pair.enable_thinking
 
+    def resolve(self, request: Request) -> Resolved:
+        """The one place a request becomes what the loop runs: its settings checked against this
+        pair, its prompt encoded (with the thinking choice), and prompt + answer checked against
+        the context; or a ``DFlashError`` that says what to change. Asking for "ar" or for block
+        size 1 both resolve to block size 1, variant "ar"."""
+        chosen = variant(request.variant)
+        config = request.generation_config(self.max_block_size).validated(self.drafter.block_size, max_new_tokens_limit())
+        if chosen.autoregressive or config.block_size == 1:
+            chosen = VARIANTS[AR]
+            config = replace(config, block_size=1, tree=False, lookup=False, adaptive=False)
+        elif (config.tree or config.lookup) and not hasattr(self.target.runner, "forward_tree"):
+            raise SettingsError(f"variant {chosen.name!r} (tree or prompt lookup) needs the fast target runner; this "
+                                f"target runs on {type(self.target.runner).__name__}: use variant 'dflash' (no tree, "
+                                f"no lookup) or 'ar'")
+        thinking = self.thinking(request.thinking, request.raw)
+        ids = self._encode(request, thinking)
+        if request.max_new_tokens is None:
+            config = replace(config, max_new_tokens=max(1, min(max_new_tokens_limit(), self.context_length - len(ids))))
+        check_fits_context(len(ids), config.max_new_tokens, self.context_length)
+        return Resolved(ids, config, chosen, thinking)
+
+    def _encode(self, request: Request, thinking: bool | None) -> list[int]:
+        if request.messages is None:
+            return encode_prompt(self.tokenizer, request.prompt, raw=request.raw, enable_thinking=thinking)
+        if request.prompt is not None or request.raw:
+            raise SettingsError("a request takes a prompt (raw or chat-templated) or a conversation (messages, "
+                                "always chat-templated), not both: drop one")
+        return encode_messages(self.tokenizer, list(request.messages), thinking)
+
     def prepare(self, prompt: str, config: GenerationConfig, mode: str = "dflash", raw: bool = False,
                 enable_thinking: bool | None = None) -> tuple[list[int], GenerationConfig]:
-        """Prompt ids and the validated config for a request, or a clear ``DFlashError``.
+        """``resolve`` in the Python API's spelling: prompt ids and the validated config.
         ``enable_thinking``: True/False turns the chat template's thinking mode on/off for this
         request; None uses the pair's setting (see ``thinking``)."""
-        if mode not in MODES:
-            raise SettingsError(f"mode = {mode!r}; allowed: {', '.join(MODES)}")
-        if config.block_size is None and self.pair.block_size:
-            config = replace(config, block_size=self.pair.block_size)
-        config = config.validated(self.drafter.block_size, max_new_tokens_limit())
-        if mode == "ar":
-            config = replace(config, block_size=1)
-        elif (config.tree or config.lookup) and not hasattr(self.target.runner, "forward_tree"):
-            raise SettingsError(f"tree = true and lookup = true need the fast target runner; this target runs on "
-                                f"{type(self.target.runner).__name__} (use tree = false, lookup = false)")
-        ids = encode_prompt(self.tokenizer, prompt, raw=raw, enable_thinking=self.thinking(enable_thinking, raw))
-        check_fits_context(len(ids), config.max_new_tokens, self.context_length)
-        return ids, config
+        resolved = self.resolve(Request.of(prompt, config, mode, raw, enable_thinking))
+        return resolved.prompt_ids, resolved.config
 
     def stream(
         self,
@@ -143,13 +163,10 @@ class Engine:
                 self.verify_costs()
                 if hasattr(self.target.runner, "forward_tree"):
                     self.tree_costs()
-        plain = GenerationConfig(max_new_tokens=max_new_tokens)
-        variants = [(plain, "ar"), (plain, "dflash")]
-        if hasattr(self.target.runner, "forward_tree"):
-            variants.append((replace(plain, tree=True, lookup=True, adaptive=True), "dflash"))
-        for config, mode in variants:
-            ids, config = self.prepare(WARM_UP_PROMPT, config, mode)
-            collect(self.stream_ids(ids, config))
+        names = ["ar", "dflash"] + (["dflash_tree_lookup_adaptive"] if hasattr(self.target.runner, "forward_tree") else [])
+        for name in names:
+            resolved = self.resolve(Request(WARM_UP_PROMPT, variant=name, max_new_tokens=max_new_tokens))
+            collect(self.stream_ids(resolved.prompt_ids, resolved.config))
         self.last_run, self.runs = None, 0
         self.lookup_stats = LookupStats(memory=LOOKUP_MEMORY)
 
