@@ -207,13 +207,13 @@ def test_the_thinking_box_follows_the_pair_and_reaches_the_template(thinking_pai
 
 def test_the_openai_server_defaults_thinking_to_the_pairs_setting(thinking_pair):
     from dflash_core.engine import Engine
-    from dflash_core.serving import generation, protocol
+    from dflash_core.serving import protocol
 
     engine = Engine.from_registry("tiny", thinking_pair)
     block = empty_think_block(engine.tokenizer)
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi there"}], "max_tokens": 4}
-    default, _ = generation.prepare(engine, protocol.parse(body, "chat"))
-    on, _ = generation.prepare(engine, protocol.parse({**body, "thinking": True}, "chat"))
+    default = engine.resolve(protocol.parse(body, "chat").generation).prompt_ids
+    on = engine.resolve(protocol.parse({**body, "thinking": True}, "chat").generation).prompt_ids
     assert has(default, block)  # the pair says off
     assert not has(on, block)
 

@@ -73,19 +73,20 @@ def test_malformed_requests_name_the_faulty_field(body, param):
 
 
 def test_variants_map_to_the_engine_flags():
-    assert parse(good(variant="ar"), "chat").mode == "ar"
-    tree = parse(good(variant="tree_lookup"), "chat")
-    assert (tree.mode, tree.variant, tree.config.tree, tree.config.lookup, tree.config.adaptive) == (
-        "dflash", "dflash_tree_lookup", True, True, False)
-    assert parse(good(variant="dflash_adaptive"), "chat").config.adaptive is True
+    assert parse(good(variant="ar"), "chat").generation.variant == "ar"
+    tree = parse(good(variant="tree_lookup"), "chat").generation
+    config = tree.generation_config()
+    assert (tree.variant, config.tree, config.lookup, config.adaptive) == ("dflash_tree_lookup", True, True, False)
+    assert parse(good(variant="dflash_adaptive"), "chat").generation.generation_config().adaptive is True
 
 
 def test_openai_defaults_and_content_parts():
     request = parse(good(messages=[{"role": "developer", "content": "be brief"},
                                    {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]),
                     "chat")
-    assert request.messages == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "ab"}]
-    assert request.config.temperature == 1.0  # OpenAI's default, not the CLI's greedy one
-    assert request.max_tokens is None and request.stops == [] and request.stream is False
+    assert request.generation.messages == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "ab"}]
+    assert request.generation.temperature == 1.0  # OpenAI's default, not the CLI's greedy one
+    assert request.generation.max_new_tokens is None and request.stops == [] and request.stream is False
     completion = parse({"model": "m", "prompt": ["def f():"], "stop": "\n", "max_completion_tokens": 5}, "completion")
-    assert (completion.prompt, completion.stops, completion.max_tokens) == ("def f():", ["\n"], 5)
+    assert (completion.generation.prompt, completion.stops, completion.generation.max_new_tokens) == ("def f():", ["\n"], 5)
+    assert completion.generation.raw and not request.generation.raw  # a completion's prompt is used as is

@@ -1,5 +1,6 @@
-"""One request's generation on an engine: the prompt encoded, the settings checked, the engine's
-cycles turned into text cut at the stop strings, and the usage figures (tokens and DFlash's own).
+"""One request's generation on an engine: the engine's cycles turned into text cut at the stop
+strings, and the usage figures (tokens and DFlash's own). The request itself is checked and
+encoded by ``Engine.resolve``, as every front end's is.
 
 Everything here is synchronous and runs in a worker thread; ``routes`` decides when.
 """
@@ -8,44 +9,13 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import replace
 from typing import Any
 
 from ..engine import Engine
-from ..errors import SettingsError
-from ..messages import encode_messages
-from ..prompting import check_fits_context, encode_prompt, max_new_tokens_limit
-from ..speculative import CycleEvent, GenerationConfig
+from ..request import Resolved
+from ..speculative import CycleEvent
 from .protocol import Request
 from .stops import StopCutter
-
-
-def prepare(engine: Engine, request: Request) -> tuple[list[int], GenerationConfig]:
-    """Prompt ids and the validated config, with the checks of ``Engine.prepare`` (which takes a
-    single prompt text, where a chat request brings a conversation)."""
-    if request.kind == "chat":
-        # No ``thinking`` in the request: the pair's setting (what its drafter was trained with),
-        # as the CLI and the studio do, not the template's default.
-        ids = encode_messages(engine.tokenizer, request.messages, engine.thinking(request.thinking))
-    else:
-        if request.thinking is not None:
-            raise SettingsError("thinking applies to chat messages only; leave it out of /v1/completions")
-        ids = encode_prompt(engine.tokenizer, request.prompt, raw=True)
-    config = request.config
-    if request.max_tokens is None:
-        # OpenAI's meaning of no max_tokens: as long as the model may go (here: the context left,
-        # within DFLASH_MAX_NEW_TOKENS).
-        config = replace(config, max_new_tokens=max(1, min(max_new_tokens_limit(), engine.context_length - len(ids))))
-    if config.block_size is None and engine.pair.block_size:
-        config = replace(config, block_size=engine.pair.block_size)
-    config = config.validated(engine.drafter.block_size, max_new_tokens_limit())
-    if request.mode == "ar":
-        config = replace(config, block_size=1)
-    elif (config.tree or config.lookup) and not hasattr(engine.target.runner, "forward_tree"):
-        raise SettingsError(f"variant {request.variant!r} needs the fast target runner; this target runs on "
-                            f"{type(engine.target.runner).__name__} (use variant 'dflash' or 'ar')")
-    check_fits_context(len(ids), config.max_new_tokens, engine.context_length)
-    return ids, config
 
 
 class Generation:
@@ -55,18 +25,18 @@ class Generation:
     ``cancel`` (set from any thread) makes the engine end at its next cycle.
     """
 
-    def __init__(self, engine: Engine, ids: list[int], config: GenerationConfig, request: Request) -> None:
+    def __init__(self, engine: Engine, resolved: Resolved, request: Request) -> None:
         self.engine = engine
-        self.config = config
-        self.variant = request.variant
-        self.prompt_tokens = len(ids)
+        self.config = resolved.config
+        self.variant = resolved.variant.name
+        self.prompt_tokens = len(resolved.prompt_ids)
         self.cancel = threading.Event()
         self.cutter = StopCutter(request.stops)
         self.tokens: list[int] = []
         self.events: list[CycleEvent] = []
         self.finish_reason: str | None = None
         self._first_at = self._last_at = 0.0
-        self._events = engine.stream_ids(ids, config, should_stop=self.cancel.is_set)
+        self._events = engine.stream_ids(resolved.prompt_ids, resolved.config, should_stop=self.cancel.is_set)
 
     @property
     def text(self) -> str:

@@ -4,9 +4,10 @@ OpenAI's error shape and the engine's own message (the one the CLI prints).
 Supported: ``model`` (a registry pair), ``messages`` / ``prompt``, ``max_tokens`` (or
 ``max_completion_tokens``), ``temperature``, ``top_p``, ``seed``, ``stop``, ``stream``,
 ``stream_options.include_usage``, ``n`` = 1. DFlash extras, sent as extra body fields:
-``block_size``, ``variant`` (see ``VARIANTS``), ``rule``, ``top_k`` and ``thinking``. Parameters
-that would change the output distribution in ways the engine cannot honour (penalties, logit
-bias, several choices, log-probabilities, tools) are refused rather than silently ignored.
+``block_size``, ``variant`` (a name in ``request.VARIANTS``; the "dflash_" prefix may be left
+out), ``rule``, ``top_k`` and ``thinking``. Parameters that would change the output distribution
+in ways the engine cannot honour (penalties, logit bias, several choices, log-probabilities,
+tools) are refused rather than silently ignored.
 """
 
 from __future__ import annotations
@@ -17,26 +18,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import DFlashError
-from ..speculative import GenerationConfig
+from ..request import Request as GenerationRequest
+from ..request import variant as named_variant
 
 # OpenAI's own default when a request names no temperature (the CLI's default is greedy).
 DEFAULT_TEMPERATURE = 1.0
 MAX_STOPS = 4  # as OpenAI
 ROLES = ("system", "developer", "user", "assistant")
-# variant -> (engine mode, GenerationConfig flags). "dflash" is the drafter's plain chain; the
-# others are the bench's method names (with or without the "dflash_" prefix).
-_FLAGS = ("tree", "lookup", "adaptive")
-
-
-def _variants() -> dict[str, tuple[str, dict[str, bool]]]:
-    variants: dict[str, tuple[str, dict[str, bool]]] = {"ar": ("ar", {}), "dflash": ("dflash", {})}
-    for mask in range(1, 1 << len(_FLAGS)):
-        on = [flag for i, flag in enumerate(_FLAGS) if mask >> i & 1]
-        variants["dflash_" + "_".join(on)] = variants["_".join(on)] = ("dflash", dict.fromkeys(on, True))
-    return variants
-
-
-VARIANTS = _variants()
 
 
 class ApiError(Exception):
@@ -59,27 +47,22 @@ def _param_of(message: str) -> str | None:
     """The request field a ``SettingsError`` message is about ("top_p = 2.0; allowed: ...")."""
     names = {"max_new_tokens": "max_tokens", "block_size": "block_size", "temperature": "temperature",
              "top_p": "top_p", "top_k": "top_k", "seed": "seed", "rule": "rule", "tree": "variant",
-             "lookup": "variant", "adaptive": "variant"}
+             "lookup": "variant", "adaptive": "variant", "variant": "variant"}
     head = message.split(" ", 1)[0]
     return names.get(head)
 
 
 @dataclass
 class Request:
-    """A checked request: what to encode, how to generate, how to answer."""
+    """A checked request: what to generate (``generation``, resolved by ``Engine.resolve``) and
+    how to answer."""
 
     kind: str  # "chat" | "completion"
     model: str
-    messages: list[dict[str, str]] = field(default_factory=list)  # chat
-    prompt: str = ""  # completion (used as is, no chat template)
-    max_tokens: int | None = None  # None: as many as the context and DFLASH_MAX_NEW_TOKENS allow
-    config: GenerationConfig = field(default_factory=GenerationConfig)
-    mode: str = "dflash"
-    variant: str = "dflash"
+    generation: GenerationRequest
     stops: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
-    thinking: bool | None = None
 
 
 def _number(body: dict[str, Any], name: str, default: float) -> float:
@@ -165,13 +148,13 @@ def parse(body: Any, kind: str) -> Request:
     if not isinstance(model, str) or not model:
         raise ApiError(400, "model is required: the name of a registry pair (GET /v1/models lists them)", param="model")
     _refuse_unsupported(body)
-    request = Request(kind=kind, model=model)
+    messages, prompt = None, None
     if kind == "chat":
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise ApiError(400, "messages must be a non-empty list of {role, content} objects", param="messages")
-        request.messages = [dict(zip(("role", "content"), _content(m, i))) for i, m in enumerate(messages)]
-        if not any(m["role"] == "user" for m in request.messages):
+        messages = [dict(zip(("role", "content"), _content(m, i))) for i, m in enumerate(messages)]
+        if not any(m["role"] == "user" for m in messages):
             raise ApiError(400, "messages hold no user message", param="messages")
     else:
         prompt = body.get("prompt")
@@ -179,39 +162,35 @@ def parse(body: Any, kind: str) -> Request:
             prompt = prompt[0]  # clients may send a batch of one
         if not isinstance(prompt, str):
             raise ApiError(400, "prompt must be a string (one prompt per request)", param="prompt")
-        request.prompt = prompt
     max_tokens = _integer(body, "max_tokens")
     if max_tokens is None:
         max_tokens = _integer(body, "max_completion_tokens")
-    request.max_tokens = max_tokens
-    variant = body.get("variant", "dflash")
-    if variant not in VARIANTS:
-        raise ApiError(400, f"variant = {variant!r}; allowed: ar, dflash, or dflash_ followed by tree, lookup and/or "
-                            f"adaptive joined by '_' in that order (e.g. dflash_tree_lookup)", param="variant")
-    request.mode, flags = VARIANTS[variant]
-    request.variant = variant if variant in ("ar", "dflash") or variant.startswith("dflash_") else "dflash_" + variant
+    try:
+        variant = named_variant(body.get("variant", "dflash")).name
+    except DFlashError as exc:
+        raise ApiError.from_dflash(exc, "variant") from None
     thinking = body.get("thinking")
     if thinking is not None and not isinstance(thinking, bool):
         raise ApiError(400, f"thinking = {thinking!r}; allowed: true, false or leave it out", param="thinking")
-    request.thinking = thinking
-    request.config = GenerationConfig(
-        max_new_tokens=max_tokens if max_tokens is not None else 1,  # settled once the prompt's length is known
+    if thinking is not None and kind != "chat":
+        raise ApiError(400, "thinking applies to chat messages only; leave it out of /v1/completions", param="thinking")
+    generation = GenerationRequest(
+        prompt=prompt, messages=messages, raw=kind != "chat", thinking=thinking, variant=variant,
+        max_new_tokens=max_tokens,  # None: as many as the context leaves (OpenAI's meaning)
         block_size=_integer(body, "block_size"),
         temperature=_number(body, "temperature", DEFAULT_TEMPERATURE),
         top_p=_number(body, "top_p", 1.0),
         top_k=_integer(body, "top_k") or 0,
         seed=_integer(body, "seed"),
         rule=body.get("rule", "match"),
-        **flags,
     )
-    request.stops = _stops(body.get("stop"))
+    stops = _stops(body.get("stop"))
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise ApiError(400, f"stream = {stream!r}; allowed: true or false", param="stream")
-    request.stream = stream
     options = body.get("stream_options") or {}
-    request.include_usage = bool(isinstance(options, dict) and options.get("include_usage"))
-    return request
+    return Request(kind=kind, model=model, generation=generation, stops=stops, stream=stream,
+                   include_usage=bool(isinstance(options, dict) and options.get("include_usage")))
 
 
 # ------------------------------------------------------------------------------- responses

@@ -34,8 +34,9 @@ from ..errors import DFlashError
 from ..loading import device_problem
 from ..prompting import env_int
 from ..registry import Registry
+from ..request import Resolved
 from . import protocol
-from .generation import Generation, prepare
+from .generation import Generation
 from .protocol import ApiError
 
 DISCONNECT_POLL_S = 0.2  # how often a non-streamed request checks that its client is still there
@@ -173,12 +174,12 @@ def build_router(service: EngineSource, api_key: str | None = None, queue_size: 
             check_model(request.model)
             # Loading a pair the first time takes seconds; tokenising is quick but blocking too.
             engine = await anyio.to_thread.run_sync(service.engine, request.model)
-            ids, config = await anyio.to_thread.run_sync(prepare, engine, request)
+            resolved = await anyio.to_thread.run_sync(engine.resolve, request.generation)
             turn = turns.reserve(request.model)
             if request.stream:
-                return _ClosingStream(_stream(engine, ids, config, request, turn), media_type="text/event-stream",
+                return _ClosingStream(_stream(engine, resolved, request, turn), media_type="text/event-stream",
                                       headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-            return await _whole(http, engine, ids, config, request, turn)
+            return await _whole(http, engine, resolved, request, turn)
 
         return await answer(http, handler)
 
@@ -193,11 +194,11 @@ def build_router(service: EngineSource, api_key: str | None = None, queue_size: 
     return router
 
 
-async def _whole(http: HttpRequest, engine: Engine, ids: list[int], config: Any, request: protocol.Request,
+async def _whole(http: HttpRequest, engine: Engine, resolved: Resolved, request: protocol.Request,
                  turn: Callable[[], Any]) -> Response:
     """A non-streamed answer: all cycles in a worker thread, stopped early if the client leaves."""
     async with turn():
-        generation = Generation(engine, ids, config, request)
+        generation = Generation(engine, resolved, request)
 
         async def watch() -> None:
             while not await http.is_disconnected():
@@ -214,7 +215,7 @@ async def _whole(http: HttpRequest, engine: Engine, ids: list[int], config: Any,
     return JSONResponse(protocol.response(request, rid, text, generation.finish_reason or "stop", generation.usage()))
 
 
-async def _stream(engine: Engine, ids: list[int], config: Any, request: protocol.Request,
+async def _stream(engine: Engine, resolved: Resolved, request: protocol.Request,
                   turn: Callable[[], Any]) -> AsyncIterator[str]:
     """Server-sent events in OpenAI's chunk shape, ending with ``data: [DONE]``. An error after
     the response has begun goes out as one ``data: {"error": ...}`` event (the client raises it)."""
@@ -222,7 +223,7 @@ async def _stream(engine: Engine, ids: list[int], config: Any, request: protocol
     generation: Generation | None = None
     try:
         async with turn():
-            generation = Generation(engine, ids, config, request)
+            generation = Generation(engine, resolved, request)
             first = request.kind == "chat"
             if first:
                 yield _sse(protocol.chunk(request, rid, created, "", first=True))
