@@ -55,11 +55,10 @@ def test_multi_turn_records_are_answered_turn_by_turn_with_the_models_own_answer
     from dflash_core.bench.runner import Bench
     from dflash_core.messages import encode_messages
     from dflash_core.prompting import encode_prompt
-    from dflash_core.speculative import GenerationConfig
+    from dflash_core.request import Request
 
     prompts = [parse_record({"turns": ["Name a colour.", "Now name another one."]}, "x"), "Say hello."]
-    config = GenerationConfig(max_new_tokens=8, block_size=16).validated(smollm2_engine.drafter.block_size)
-    records = Bench(smollm2_engine, config, ("dflash", "ar")).run(prompts, warmup=0)
+    records = Bench(smollm2_engine, Request(max_new_tokens=8, block_size=16), ("dflash", "ar")).run(prompts, warmup=0)
     assert len(records) == 3  # two turns, then one
     first_answer = smollm2_engine.decode(records[0].runs["ar"].tokens)
     second_context = encode_messages(smollm2_engine.tokenizer, [

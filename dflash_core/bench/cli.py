@@ -49,8 +49,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from ..console import log
     from ..engine import Engine
     from ..errors import SettingsError
-    from ..speculative import GenerationConfig
     from ..hardware import hardware_summary
+    from ..request import Request
     from .prompts import load_bench_prompts
     from .report import markdown_summary, write_html, write_results
     from .runner import Bench, summarize
@@ -61,13 +61,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise SettingsError(f"--limit {args.limit}: must be at least 1")
     rules = tuple(r.strip() for r in args.rules.split(",") if r.strip())
     prompts = load_bench_prompts(args.prompts)[args.offset : args.offset + args.limit]
+    if not prompts:
+        raise SettingsError(f"--offset {args.offset}: {args.prompts} has no prompts past it")
     engine = Engine.from_registry(args.pair, args.registry, progress=log)
-    config = GenerationConfig(max_new_tokens=args.max_new_tokens, block_size=args.block_size,
-                              temperature=args.temperature, seed=args.seed)
-    if config.block_size is None:
-        config = GenerationConfig(**{**config.__dict__, "block_size": engine.max_block_size})
-    config = config.validated(engine.drafter.block_size)
-    bench = Bench(engine, config, args.methods, args.prompt_lookup_tokens, rules if args.temperature > 0 else ("match",))
+    request = Request(max_new_tokens=args.max_new_tokens, block_size=args.block_size, temperature=args.temperature,
+                      seed=args.seed)
+    bench = Bench(engine, request, args.methods, args.prompt_lookup_tokens, rules if args.temperature > 0 else ("match",))
+    # The settings as every run gets them; a mistake in them is refused before any run starts.
+    config = engine.resolve(bench.asked(prompts[0])).config
     log(f"bench: {len(prompts)} prompts ({sum(p.turns for p in prompts)} turns) from {args.prompts}, "
         f"methods {','.join(args.methods)}, "
         f"B={config.block_size}, T={config.temperature}, {args.max_new_tokens} new tokens")

@@ -17,6 +17,10 @@ Methods (all greedy unless a temperature is given; all on the same loaded target
   ``dflash_tree_lookup_adaptive`` — the same with prompt lookup's guess verified in the same pass
   (``lookup.py``).
 
+The engine's methods are the named variants of ``request.VARIANTS``, each run as a ``Request``
+through ``Engine.resolve`` (the checks every front end gets, the context's included); the peers
+get the prompt ids and settings it resolves.
+
 Timing lives here, not in the loop: each method is timed end to end (prefill included) with a
 CUDA synchronisation on GPUs (``torch.cuda.Event`` pairs), ``perf_counter`` on CPUs. The order of
 the methods rotates from prompt to prompt, after a warm-up of every method.
@@ -25,22 +29,18 @@ the methods rotates from prompt to prompt, after a warm-up of every method.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 import torch
 
 from ..engine import Engine
-from ..messages import encode_messages
-from ..prompting import encode_prompt
-from ..speculative import GenerationConfig, GenerationResult, collect
+from ..request import VARIANTS, Request, Resolved
+from ..speculative import GenerationResult, collect
 from .prompts import BenchPrompt
 
-# DFlash variants are "dflash" plus any of the suffixes, in this order: _tree, _lookup, _adaptive.
-DFLASH_VARIANTS = ("dflash_adaptive", "dflash_tree", "dflash_tree_adaptive", "dflash_lookup", "dflash_lookup_adaptive",
-                   "dflash_tree_lookup", "dflash_tree_lookup_adaptive")
 PEERS = ("hf_generate", "prompt_lookup", "hf_dflash", "llama_cpp")  # what a user might run instead of us
-METHODS = ("dflash", "ar", "hf_generate", "prompt_lookup", "hf_dflash", "llama_cpp") + DFLASH_VARIANTS
+METHODS = tuple(VARIANTS) + PEERS
 
 
 @dataclass
@@ -90,10 +90,12 @@ class Timer:
 
 
 class Bench:
-    def __init__(self, engine: Engine, config: GenerationConfig, methods: tuple[str, ...] = METHODS,
+    """``request``: the settings every method runs with (its prompt and variant are the bench's to set)."""
+
+    def __init__(self, engine: Engine, request: Request, methods: tuple[str, ...] = METHODS,
                  prompt_lookup_tokens: int = 10, rules: tuple[str, ...] = ("match",)) -> None:
         self.engine = engine
-        self.config = config
+        self.request = request
         self.methods = methods
         self.prompt_lookup_tokens = prompt_lookup_tokens
         self.rules = rules
@@ -101,24 +103,29 @@ class Bench:
         self._assistant: Any = None  # transformers' DFlash assistant, converted on first use
         self._llama: Any = None  # the llama.cpp peer, loaded on first use
 
+    def asked(self, prompt: BenchPrompt) -> Request:
+        """The bench's request for one prompt: a plain prompt exactly as ``generate --prompt``
+        encodes it, a conversation through the chat template."""
+        return replace(self.request, prompt=prompt.text, messages=None if prompt.text is not None else prompt.messages)
+
     # ------------------------------------------------------------------------------- peers
-    def _hf_dflash_run(self, ids: list[int]) -> MethodRun:
+    def _hf_dflash_run(self, asked: Resolved) -> MethodRun:
         from ..hf_export import to_hf_assistant
         from .hf_dflash import hf_dflash_generate
 
         if self._assistant is None:
             self._assistant = to_hf_assistant(self.engine.drafter)
         result, seconds = self.timer(lambda: hf_dflash_generate(
-            self.engine.target.model, self._assistant, ids, self.config.max_new_tokens, self.engine.stop_ids,
-            self.config.temperature))
+            self.engine.target.model, self._assistant, asked.prompt_ids, asked.config.max_new_tokens,
+            self.engine.stop_ids, asked.config.temperature))
         return MethodRun("hf_dflash", result.token_ids, seconds, result.decode_seconds,
                          acceptance_lengths=result.acceptance_lengths)
 
-    def _llama_cpp_run(self, ids: list[int]) -> MethodRun:
+    def _llama_cpp_run(self, asked: Resolved) -> MethodRun:
         from ..loading import resolve_gguf
         from .llama_cpp_peer import LlamaCppPeer, PeerUnavailableError
 
-        if self.config.temperature > 0:
+        if asked.config.temperature > 0:
             raise PeerUnavailableError("the llama_cpp bench method is greedy only (temperature 0)")
         if self._llama is None:
             source = self.engine.pair.target
@@ -126,33 +133,27 @@ class Bench:
                 raise PeerUnavailableError(f"the llama_cpp bench method runs the pair's GGUF file; pair "
                                            f"{self.engine.pair.name!r} has a {source.kind} target")
             self._llama = LlamaCppPeer(resolve_gguf(source), threads=torch.get_num_threads())
-        run = self._llama.generate(ids, self.config.max_new_tokens, self.engine.stop_ids)
+        run = self._llama.generate(asked.prompt_ids, asked.config.max_new_tokens, self.engine.stop_ids)
         return MethodRun("llama_cpp", run.token_ids, run.seconds, run.decode_seconds)
 
     # ---------------------------------------------------------------------------- methods
-    def _engine_run(self, ids: list[int], mode: str, rule: str = "match", adaptive: bool = False, tree: bool = False,
-                    lookup: bool = False) -> MethodRun:
-        cfg = self.config if mode == "dflash" else GenerationConfig(
-            max_new_tokens=self.config.max_new_tokens, block_size=1, temperature=self.config.temperature,
-            top_p=self.config.top_p, top_k=self.config.top_k, seed=self.config.seed)
-        cfg = GenerationConfig(**{**cfg.__dict__, "rule": rule, "adaptive": adaptive, "tree": tree, "lookup": lookup})
-        cfg = cfg.validated(self.engine.drafter.block_size)
-        result, seconds = self.timer(lambda: collect(self.engine.stream_ids(ids, cfg)))
-        name = (mode + ("" if rule == "match" else f"_{rule}") + ("_tree" if tree else "") + ("_lookup" if lookup else "")
-                + ("_adaptive" if adaptive else ""))
+    def _engine_run(self, request: Request, name: str) -> MethodRun:
+        resolved = self.engine.resolve(request)
+        result, seconds = self.timer(lambda: collect(self.engine.stream_ids(resolved.prompt_ids, resolved.config)))
         return MethodRun(name, result.token_ids, seconds, result.decode_s, result)
 
-    def _hf_run(self, ids: list[int], lookup: bool) -> MethodRun:
+    def _hf_run(self, asked: Resolved, lookup: bool) -> MethodRun:
         model = self.engine.target.model
         device = self.engine.target.runner.device
+        ids = asked.prompt_ids
         input_ids = torch.tensor([ids], device=device)
         kwargs: dict[str, Any] = {
-            "max_new_tokens": self.config.max_new_tokens, "eos_token_id": self.engine.stop_ids,
+            "max_new_tokens": asked.config.max_new_tokens, "eos_token_id": self.engine.stop_ids,
             "pad_token_id": self.engine.stop_ids[0] if self.engine.stop_ids else None,
             "attention_mask": torch.ones_like(input_ids),
         }
-        if self.config.temperature > 0:
-            kwargs.update(do_sample=True, temperature=self.config.temperature)
+        if asked.config.temperature > 0:
+            kwargs.update(do_sample=True, temperature=asked.config.temperature)
         else:
             kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
         if lookup:
@@ -166,34 +167,28 @@ class Bench:
         tokens, seconds = self.timer(run)
         return MethodRun("prompt_lookup" if lookup else "hf_generate", tokens, seconds)
 
-    def run_method(self, method: str, ids: list[int]) -> list[MethodRun]:
-        if method == "dflash":
-            return [self._engine_run(ids, "dflash", rule) for rule in self.rules]
-        if method in DFLASH_VARIANTS:
-            adaptive, tree, lookup = method.endswith("_adaptive"), "_tree" in method, "_lookup" in method
-            # Trees and lookup verify with the match rule only (pq would need multi-candidate rejection).
-            rules = ("match",) if tree or lookup else self.rules
-            return [self._engine_run(ids, "dflash", rule, adaptive=adaptive, tree=tree, lookup=lookup) for rule in rules]
-        if method == "ar":
-            return [self._engine_run(ids, "ar")]
-        if method == "hf_generate":
-            return [self._hf_run(ids, lookup=False)]
-        if method == "prompt_lookup":
-            return [self._hf_run(ids, lookup=True)]
+    def run_method(self, method: str, asked: Request) -> list[MethodRun]:
+        """``method`` on the prompt of ``asked`` (see ``asked``): one run, or one per acceptance rule."""
+        if method in VARIANTS:
+            chosen = VARIANTS[method]
+            # Trees and lookup verify with the match rule only (pq would need multi-candidate
+            # rejection); AR has no drafts to accept.
+            rules = ("match",) if chosen.autoregressive or chosen.tree or chosen.lookup else self.rules
+            # The record's name is the method asked for ("dflash_pq_tree" for rule pq), whatever
+            # the block size makes of it.
+            return [self._engine_run(replace(asked, variant=method, rule=rule),
+                                     method if rule == "match" else f"dflash_{rule}" + method.removeprefix("dflash"))
+                    for rule in rules]
+        if method not in PEERS:
+            raise ValueError(f"unknown method {method!r}; allowed: {', '.join(METHODS)}")
+        resolved = self.engine.resolve(asked)
         if method == "hf_dflash":
-            return [self._hf_dflash_run(ids)]
+            return [self._hf_dflash_run(resolved)]
         if method == "llama_cpp":
-            return [self._llama_cpp_run(ids)]
-        raise ValueError(f"unknown method {method!r}; allowed: {', '.join(METHODS)}")
+            return [self._llama_cpp_run(resolved)]
+        return [self._hf_run(resolved, lookup=method == "prompt_lookup")]
 
     # ------------------------------------------------------------------------------- driver
-    def encode(self, prompt: BenchPrompt) -> list[int]:
-        """A plain prompt exactly as ``generate --prompt`` encodes it; a conversation through the
-        chat template."""
-        if prompt.text is not None:
-            return encode_prompt(self.engine.tokenizer, prompt.text)
-        return encode_messages(self.engine.tokenizer, prompt.messages)
-
     def run(self, prompts: Sequence[str | BenchPrompt], warmup: int = 1,
             log: Callable[[str], None] | None = None) -> list[PromptRecord]:
         """One ``PromptRecord`` per answered turn: a multi-turn item (MT-Bench) gives one per
@@ -201,9 +196,8 @@ class Bench:
         answer when AR is measured, else the first method's; greedy, they are all the same)."""
         items = [BenchPrompt.of(p) if isinstance(p, str) else p for p in prompts]
         for item in items[:warmup]:
-            ids = self.encode(item)
             for method in self.methods:  # compile caches, allocators, lazy inits: not timed
-                self.run_method(method, ids)
+                self.run_method(method, self.asked(item))
         records: list[PromptRecord] = []
         total = sum(item.turns for item in items)
         for item in items:
@@ -213,12 +207,12 @@ class Bench:
                     conversation = BenchPrompt(conversation.messages + [
                         {"role": "assistant", "content": answer},
                         {"role": "user", "content": item.follow_ups[turn - 1]}])
-                ids = self.encode(conversation)
+                asked = self.asked(conversation)
                 index = len(records)
-                record = PromptRecord(index, len(ids))
+                record = PromptRecord(index, len(self.engine.resolve(asked).prompt_ids))
                 order = self.methods[index % len(self.methods):] + self.methods[: index % len(self.methods)]
                 for method in order:
-                    for run in self.run_method(method, ids):
+                    for run in self.run_method(method, asked):
                         record.runs[run.method] = run
                 records.append(record)
                 reference = record.runs.get("ar") or record.runs[self.methods[0]]
