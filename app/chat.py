@@ -23,6 +23,7 @@ import gradio as gr
 from dflash_core.errors import DFlashError, PromptError
 from dflash_core.messages import encode_messages
 from dflash_core.prompting import check_fits_context
+from dflash_core.request import Variant
 from dflash_core.speculative import GenerationConfig
 
 from . import render
@@ -155,10 +156,10 @@ class ChatViews:
 class Chat:
     """The Chat tab's handlers. Shares the studio's engines, run ids and per-session Stop events."""
 
-    def __init__(self, studio: Any, variants: dict[str, tuple[bool, bool, bool]],
+    def __init__(self, studio: Any, variants: dict[str, Variant],
                  variant_name: Callable[[GenerationConfig], str]) -> None:
         self.studio = studio
-        self.variants = variants  # name -> (adaptive, tree, lookup), as the Live tab's switch
+        self.variants = variants  # the Live tab's switch: its choices' names -> variants
         self.variant_name = variant_name
         self.views: ChatViews | None = None  # set by build_studio
 
@@ -238,14 +239,13 @@ class Chat:
                     engine = item
             # The box is only enabled where the template has the switch; elsewhere the pair decides.
             choice = bool(thinking) if engine.thinking_switch else None
-            adaptive, tree, lookup = self.variants.get(variant, self.variants["fastest"])
-            cfg = replace(self.studio.config(block, temperature, max_new, seed), adaptive=adaptive, tree=tree,
-                          lookup=lookup)
-            # Engine.prepare checks the settings and the last message as for any prompt (the
+            chosen = self.variants.get(variant, self.variants["fastest"]).name
+            # Engine.resolve checks the settings and the last message as for any prompt (the
             # engine's own messages); the conversation's ids come from the chat template below.
             last_user = next(t["content"] for t in reversed(turns) if t["role"] == "user")
-            cfg = engine.prepare(last_user, cfg, "dflash", enable_thinking=choice)[1]
-            ar_cfg = engine.prepare(last_user, cfg, "ar", enable_thinking=choice)[1]
+            request = self.studio.request(last_user, block, temperature, max_new, seed, chosen, choice)
+            cfg = engine.resolve(request).config
+            ar_cfg = engine.resolve(replace(request, variant="ar")).config
             ids, dropped = fit_conversation(engine, turns, system, engine.thinking(choice), cfg.max_new_tokens)
         except DFlashError as exc:
             yield {v.status: f"⚠️ {exc}"}  # nothing changed: the message is still in its box

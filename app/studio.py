@@ -21,6 +21,7 @@ import gradio as gr
 
 from dflash_core.errors import DFlashError
 from dflash_core.prompting import max_new_tokens_limit
+from dflash_core.request import Request, dflash_variant
 from dflash_core.speculative import GenerationConfig
 
 from . import charts, render
@@ -90,9 +91,9 @@ APPLY_LIVE_UPDATE_JS = """
 }
 """
 THINKING_UNTIL_LOADED = "Thinking mode: available once the pair has loaded, if its chat template has the switch."
-VARIANTS = {  # the Live tab's variant switch: (adaptive, tree, lookup)
-    "fastest": (True, True, True),
-    "plain": (False, False, False),
+VARIANTS = {  # the Live tab's variant switch: its choices' names -> variants of dflash_core.request
+    "fastest": dflash_variant(tree=True, lookup=True, adaptive=True),
+    "plain": dflash_variant(),
 }
 
 
@@ -159,13 +160,16 @@ class Studio:
         yield box["engine"]
 
     @staticmethod
-    def config(block: Any, temperature: Any, max_new: Any, seed: Any) -> GenerationConfig:
+    def request(prompt: Any, block: Any, temperature: Any, max_new: Any, seed: Any, chosen: str = "dflash",
+                thinking: bool | None = None) -> Request:
+        """The request the page's widgets make (``Engine.resolve`` checks it)."""
         def as_int(v: Any) -> Any:
             return int(v) if isinstance(v, float) and v.is_integer() else v
 
         seed_value = None if seed in (None, "", -1) else as_int(seed)
-        return GenerationConfig(max_new_tokens=as_int(max_new), block_size=as_int(block),
-                                temperature=float(temperature) if temperature is not None else 0.0, seed=seed_value)
+        return Request(prompt, thinking=thinking, variant=chosen, max_new_tokens=as_int(max_new),
+                       block_size=as_int(block), temperature=float(temperature) if temperature is not None else 0.0,
+                       seed=seed_value)
 
     # ------------------------------------------------------------------- the compare handler
     def compare(self, pair, prompt, block, temperature, max_new, seed, baseline, adaptive, tree, lookup,
@@ -194,12 +198,13 @@ class Studio:
                     yield {v.status: item}
                 else:
                     engine = item
-            cfg = replace(self.config(block, temperature, max_new, seed), adaptive=bool(adaptive), tree=bool(tree),
-                          lookup=bool(lookup))
             # The box is only enabled where the template has the switch; elsewhere the pair decides.
             choice = bool(thinking) if thinking is not None and engine.thinking_switch else None
-            ids, cfg = engine.prepare(prompt, cfg, "dflash", enable_thinking=choice)
-            ar_cfg = engine.prepare(prompt, cfg, "ar", enable_thinking=choice)[1]
+            chosen = dflash_variant(bool(tree), bool(lookup), bool(adaptive)).name
+            request = self.request(prompt, block, temperature, max_new, seed, chosen, choice)
+            resolved = engine.resolve(request)
+            ids, cfg = resolved.prompt_ids, resolved.config
+            ar_cfg = engine.resolve(replace(request, variant="ar")).config
         except DFlashError as exc:
             yield {v.status: f"⚠️ {exc}"}
             return
@@ -276,13 +281,13 @@ class Studio:
             for item in self.wait_for_engine(pair):
                 if not isinstance(item, str):
                     engine = item
-            cfg = self.config(block, 0.0, max_new, None)
-            ids, cfg = engine.prepare(prompt, cfg, "dflash")
+            resolved = engine.resolve(self.request(prompt, block, 0.0, max_new, None))
+            ids, cfg = resolved.prompt_ids, resolved.config
             dflash = RunRecord("dflash")
             for event in engine.stream_ids(ids, cfg):
                 dflash.add(event, engine.tokenizer)
             # A short autoregressive run measures t_AR, the cost of one plain decoding step.
-            ar_cfg = engine.prepare(prompt, GenerationConfig(max_new_tokens=min(32, cfg.max_new_tokens)), "ar")[1]
+            ar_cfg = engine.resolve(Request(prompt, variant="ar", max_new_tokens=min(32, cfg.max_new_tokens))).config
             ar = RunRecord("ar")
             for event in engine.stream_ids(ids, ar_cfg):
                 ar.add(event, engine.tokenizer)
@@ -319,8 +324,8 @@ class Studio:
             for item in self.wait_for_engine(pair or self.service.registry.default):
                 if not isinstance(item, str):
                     engine = item
-            cfg = self.config(block_size, temperature, max_new_tokens, None)
-            ids, cfg = engine.prepare(prompt, cfg, "dflash")
+            resolved = engine.resolve(self.request(prompt, block_size, temperature, max_new_tokens, None))
+            ids, cfg = resolved.prompt_ids, resolved.config
         except DFlashError as exc:
             raise gr.Error(str(exc)) from None
         token_ids: list[int] = []
@@ -504,7 +509,8 @@ def build_studio(service: StudioService | None = None) -> tuple[Studio, gr.Block
                      studio.views.all(), show_progress="hidden",
                      concurrency_id="engine", concurrency_limit=1, api_visibility="private")
         live_update.change(None, live_update, None, js=APPLY_LIVE_UPDATE_JS, queue=False, api_visibility="private")
-        variant.change(lambda name: VARIANTS[name], variant, [adaptive, tree, lookup], queue=False,
+        variant.change(lambda name: (VARIANTS[name].adaptive, VARIANTS[name].tree, VARIANTS[name].lookup), variant,
+                       [adaptive, tree, lookup], queue=False,
                        api_visibility="private")
         stop_btn.click(studio.stop, None, status, queue=False, api_visibility="private")
         t_start.click(gpu(studio.teach_start), [t_pair, t_prompt, t_block, t_max], [t_state, t_step, t_formula, t_text],
