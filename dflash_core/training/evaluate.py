@@ -8,11 +8,24 @@ from pathlib import Path
 from typing import Any
 
 from ..drafter import DFlashDrafter
+from ..engine import Engine
 from ..evaluation import load_prompt_set, mean
-from ..loading import LoadedTarget
-from ..prompting import encode_prompt, stop_token_ids
-from ..speculative import GenerationConfig, collect, stream
+from ..loading import LoadedPair, LoadedTarget
+from ..registry import ModelPair, ModelSource
+from ..request import Request
+from ..speculative import collect
 from .export import model_card
+
+
+def evaluation_engine(target: LoadedTarget, drafter: DFlashDrafter) -> Engine:
+    """An engine for a drafter that no registry pair names yet (the one training just wrote), so
+    that its evaluation runs requests through ``Engine.resolve`` as every front end does: the
+    drafter's own block size, the chat template's own thinking default."""
+    device = str(target.runner.device)
+    pair = ModelPair(name="evaluated-drafter", description="a drafter under evaluation", target=target.source,
+                     drafter=ModelSource("path"), block_size=None, dtype=str(target.runner.dtype).removeprefix("torch."),
+                     target_device=device, drafter_device=device, quantization=None, engine="auto")
+    return Engine(LoadedPair(pair=pair, target=target, drafter=drafter))
 
 
 def measure_tau(
@@ -25,14 +38,13 @@ def measure_tau(
     seed: int = 0,
 ) -> dict[str, float]:
     """Mean acceptance length over all cycles of all prompts (and the per-prompt mean)."""
-    stops = stop_token_ids(target.tokenizer, getattr(target.model, "generation_config", None))
+    engine = evaluation_engine(target, drafter)
     lengths: list[int] = []
     per_prompt: list[float] = []
     for i, prompt in enumerate(prompts):
-        ids = encode_prompt(target.tokenizer, prompt)
-        config = GenerationConfig(max_new_tokens=max_new_tokens, block_size=block_size,
-                                  temperature=temperature, seed=seed + i).validated(drafter.block_size)
-        result = collect(stream(target.runner, drafter, ids, config, stops))
+        resolved = engine.resolve(Request(prompt, max_new_tokens=max_new_tokens, block_size=block_size,
+                                          temperature=temperature, seed=seed + i))
+        result = collect(engine.stream_ids(resolved.prompt_ids, resolved.config))
         lengths.extend(result.acceptance_lengths)
         per_prompt.append(result.tau)
         print(f"\r  tau[{i + 1}/{len(prompts)}] {mean(lengths):.3f}", end="", file=sys.stderr, flush=True)
