@@ -137,7 +137,7 @@ class ChatViews:
 
     conversation: Any
     # gr.State: the turns, each {role, content}; an answer also has html, note, token_ids and what
-    # its baseline needs: pair, config, prompt_ids, record (its DFlash run), dflash_note.
+    # its baseline needs: pair, config, ar_config, prompt_ids, record (its DFlash run), dflash_note.
     history: Any
     message: Any
     status: Any
@@ -313,7 +313,8 @@ class Chat:
         record = replace(d, _detokenizer=None)  # kept for a later baseline; the tokenizer is not
         answer = {"role": "assistant", "content": engine.decode(d.token_ids), "html": render.token_spans(d.tokens, "dflash"),
                   "dflash_note": " · ".join(notes), "note": answer_note(" · ".join(notes), d, a, same),
-                  "token_ids": list(d.token_ids), "prompt_ids": ids, "pair": pair, "config": cfg, "record": record}
+                  "token_ids": list(d.token_ids), "prompt_ids": ids, "pair": pair, "config": cfg, "ar_config": ar_cfg,
+                  "record": record}
         history = turns + [answer]
         if error is not None:
             status = f"⚠️ {error} · " + ("the answer so far is kept; Regenerate answers again" if broke_answer
@@ -353,9 +354,10 @@ class Chat:
         except DFlashError as exc:
             yield {v.status: f"⚠️ {exc}"}
             return
-        # As many tokens as the answer has: greedy, the target alone must say exactly those (a
-        # stopped answer is compared on what it said), and both rates are over the same length.
-        config = replace(turn["config"], block_size=1, max_new_tokens=len(turn["token_ids"]))
+        # The baseline the answer would have had, for as many tokens as it has: greedy, the target
+        # alone must say exactly those (a stopped answer is compared on what it said), and both
+        # rates are over the same length.
+        config = replace(turn["ar_config"], max_new_tokens=len(turn["token_ids"]))
         run_id = next(self.studio._run_ids)
         yield {
             v.ar_text: render.tokens_html(None, f"The target alone, on answer {number}'s prompt.", run_id),

@@ -18,6 +18,7 @@ from dflash_core.speculative import GenerationConfig, collect
 
 pytestmark = pytest.mark.slow
 MAX_NEW = 16
+SPEEDUP = r"[\d.]+× faster than the target alone \([\d.]+ vs [\d.]+ tok/s\)"
 
 
 Request = browser_session("chat-session")
@@ -71,7 +72,7 @@ def test_two_turns_the_second_answered_with_the_first_in_its_prompt(studio, two_
     # The second answer's prompt is the whole conversation through the chat template: it holds the
     # first answer's tokens, and greedy DFlash answered it exactly as the target alone does.
     ids, dropped = fit_conversation(engine, history[:3], "", engine.thinking(None), MAX_NEW)
-    assert dropped == 0 and history[3]["prompt_tokens"] == len(ids)
+    assert dropped == 0 and history[3]["prompt_ids"] == ids
     assert contains(ids, history[1]["token_ids"][:-1] or history[1]["token_ids"])
     assert history[1]["content"] in engine.decode(ids)
     assert history[3]["token_ids"] == greedy_reference(engine, ids)
@@ -98,21 +99,64 @@ def test_regenerate_answers_the_last_turn_again_with_the_baseline_and_speedup(st
     again = history_of(studio, updates)
     assert len(again) == 4 and again[:3] == history[:3]
     assert again[3]["token_ids"] == history[3]["token_ids"]  # greedy: the same answer
-    sentence = r"[\d.]+× faster than the target alone \([\d.]+ vs [\d.]+ tok/s\)"
     shown = re.sub(r"<[^>]+>", "", updates[-1][v.speedup])
-    assert re.search(sentence, shown) and "identical output" in shown
-    assert re.search(sentence, again[3]["note"])
+    assert re.search(SPEEDUP, shown) and "identical output" in shown
+    assert re.search(SPEEDUP + " · identical output ✓", again[3]["note"])
     assert visible_text(updates[-1][v.ar_text]) == again[3]["content"]
     # Regenerate with nothing to answer says so.
     assert "Nothing to regenerate" in list(say(studio, None, []))[-1][v.status]
 
 
+def test_the_baseline_runs_for_an_earlier_answer_on_its_own_prompt_and_leaves_the_words_alone(
+        studio, two_turns, monkeypatch):
+    from app.render import cycle_log_html
+
+    v = studio.chat.views
+    engine = studio.service.engine(None)
+    history = history_of(studio, two_turns[1])
+    picker = two_turns[1][-1][v.answer]
+    assert [index for _, index in picker.choices] == [1, 3] and picker.value == 3
+    assert picker.choices[0][0] == "Answer 1: My name is Ada. Please remember it."
+    updates = list(studio.chat.time_answer(1, history, Request()))
+    timed = history_of(studio, updates)
+    # The target alone ran on the first answer's own prompt (not the conversation since) and said
+    # exactly what greedy DFlash said; only that answer's note changed, gaining the speedup.
+    assert engine.last_run["tokens"] == len(history[1]["token_ids"])
+    assert visible_text(updates[-1][v.ar_text]) == history[1]["content"]
+    assert [(t["role"], t["content"], t.get("token_ids")) for t in timed] == [
+        (t["role"], t["content"], t.get("token_ids")) for t in history]
+    assert re.search(SPEEDUP + " · identical output ✓$", timed[1]["note"])
+    assert timed[1]["note"].startswith(history[1]["note"]) and timed[3]["note"] == history[3]["note"]
+    assert "baseline for answer 1" in updates[-1][v.status] and "identical output ✓" in updates[-1][v.status]
+    shown = re.sub(r"<[^>]+>", "", updates[-1][v.speedup])
+    assert re.search(SPEEDUP, shown) and "identical output" in shown
+    # Beside it, that answer's own DFlash counters and cycle log (not the newest answer's).
+    beside = [u for u in updates if v.counters in u]
+    assert len(beside) == 1 and "answer 1" in beside[0][v.counters]
+    assert beside[0][v.log] == cycle_log_html(history[1]["record"])
+    live = [json.loads(u[v.live_update]) for u in updates if v.live_update in u]
+    assert live and all(set(u) == {"run", "seq", "ar", "panes"} for u in live)
+    assert timed[1]["note"] in updates[-1][v.conversation]
+    # Nothing to time, or an engine error on the way: said, and the conversation is untouched.
+    assert "No answer to time yet" in list(studio.chat.time_answer(None, [], Request()))[-1][v.status]
+    assert "No answer to time yet" in list(studio.chat.time_answer(0, history, Request()))[-1][v.status]
+    fail_after(engine, 1, monkeypatch)
+    failed = list(studio.chat.time_answer(3, history, Request()))
+    assert "⚠️" in failed[-1][v.status] and "the conversation is unchanged" in failed[-1][v.status]
+    assert not any(v.history in u for u in failed) and studio._stops == {}
+
+
 def test_clear_starts_a_new_conversation(studio, two_turns):
+    from app.chat import AR_PLACEHOLDER
     from app.render import CHAT_PLACEHOLDER
 
     v = studio.chat.views
     cleared = studio.chat.clear(Request())
     assert cleared[v.history] == [] and CHAT_PLACEHOLDER in cleared[v.conversation]
+    # Nothing of the last answer is left: its cycle log, counters, baseline and the answer picker.
+    assert "dfs-empty" in cleared[v.log] and "waiting" in cleared[v.counters] and "waiting" in cleared[v.ar_counters]
+    assert html.escape(AR_PLACEHOLDER) in cleared[v.ar_text] and "Speedup appears" in cleared[v.speedup]
+    assert cleared[v.answer].choices == [] and cleared[v.answer].value is None
     assert "Type a message" in list(say(studio, "   ", []))[-1][v.status]
 
 
@@ -133,6 +177,62 @@ def test_stop_ends_the_answer_within_a_cycle_and_keeps_what_was_said(studio):
     assert not engine.busy and studio._stops == {}
     answer = history_of(studio, rest)[-1]
     assert answer["role"] == "assistant" and "stopped" in answer["note"] and len(answer["token_ids"]) < 1500
+    # The baseline for a stopped answer says the same tokens (as many as the answer has).
+    timed = list(studio.chat.time_answer(1, history_of(studio, rest), Request()))
+    assert re.search(SPEEDUP + " · identical output ✓$", history_of(studio, timed)[-1]["note"])
+
+
+def fail_after(engine, events: int, monkeypatch) -> None:
+    """Make ``engine`` raise the context-overflow error after ``events`` events of each run."""
+    from dflash_core.errors import PromptError
+
+    real = engine.stream_ids
+
+    def stream_ids(ids, config, should_stop=None):
+        def failing():
+            inner = real(ids, config, should_stop)
+            try:
+                for _ in range(events):
+                    yield next(inner)
+                raise PromptError("the conversation no longer fits the target's context (a test's failure)")
+            finally:
+                inner.close()
+
+        return failing()
+
+    monkeypatch.setattr(engine, "stream_ids", stream_ids)
+
+
+def test_an_engine_error_mid_answer_keeps_the_conversation_well_formed(studio, monkeypatch):
+    v = studio.chat.views
+    engine = studio.service.engine(None)
+    first = history_of(studio, list(say(studio, "Hello!", [], max_new=4)))
+    # Broken off after its first token: the answer so far is kept, marked.
+    fail_after(engine, 1, monkeypatch)
+    updates = list(say(studio, "Tell me about the sea.", first, max_new=8))
+    assert "⚠️" in updates[-1][v.status] and "the answer so far is kept" in updates[-1][v.status]
+    broken = history_of(studio, updates)
+    assert [t["role"] for t in broken] == ["user", "assistant", "user", "assistant"]
+    assert broken[3]["note"].startswith("interrupted: the conversation no longer fits")
+    assert 1 <= len(broken[3]["token_ids"]) < 8
+    assert "interrupted" in updates[-1][v.conversation]
+    # Failing before its first token: the conversation is as it was, the message back in its box.
+    fail_after(engine, 0, monkeypatch)
+    updates = list(say(studio, "And the mountains?", broken, max_new=8))
+    assert updates[-1][v.history] == broken and updates[-1][v.message] == "And the mountains?"
+    assert "as it was" in updates[-1][v.status] and "⚠️" in updates[-1][v.status]
+    assert updates[-1][v.answer].value == 3
+    monkeypatch.undo()
+    said = broken[3]["token_ids"]  # lossless as far as it went
+    assert said == greedy_reference(engine, broken[3]["prompt_ids"], 8)[:len(said)]
+    # The next turn and Regenerate both work on top of the interrupted answer.
+    more = history_of(studio, list(say(studio, "And the mountains?", broken, max_new=4)))
+    assert [t["role"] for t in more] == ["user", "assistant"] * 3 and more[:4] == broken
+    assert contains(more[5]["prompt_ids"], broken[3]["token_ids"])
+    again = history_of(studio, list(say(studio, None, broken, max_new=8)))
+    assert len(again) == 4 and again[:3] == broken[:3] and "interrupted" not in again[3]["note"]
+    assert again[3]["token_ids"] == greedy_reference(engine, again[3]["prompt_ids"], 8)
+    assert not engine.busy and studio._stops == {}
 
 
 def test_a_conversation_too_long_for_the_context_drops_its_oldest_exchanges(studio, two_turns, monkeypatch):
@@ -191,9 +291,9 @@ def test_the_thinking_box_follows_the_pair_and_reaches_the_template(thinking_pai
     for thinking in (False, True):
         updates = list(studio.chat.send("tiny", "hi there", [], "", 4, 0.0, 4, 0, False, "plain", thinking, Request()))
         answer = history_of(studio, updates)[-1]
-        prompts[thinking] = answer["prompt_tokens"]
+        prompts[thinking] = len(answer["prompt_ids"])
         ids = encode_messages(engine.tokenizer, [{"role": "user", "content": "hi there"}], thinking)
-        assert answer["prompt_tokens"] == len(ids) and has(ids, block) is (not thinking)
+        assert answer["prompt_ids"] == ids and has(ids, block) is (not thinking)
         assert answer["token_ids"] == greedy_reference(engine, ids, 4)
     assert prompts[False] == prompts[True] + len(block)
     # The Live tab takes the box too: its greedy text is the target's on the prompt so encoded.
@@ -251,7 +351,7 @@ def send_in_browser(page, message: str, until: str) -> None:
 
 
 @pytest.mark.browser
-def test_real_browser_chat_two_turns_and_stop(app_url):
+def test_real_browser_chat_two_turns_a_baseline_for_the_first_and_stop(app_url):
     from playwright.sync_api import sync_playwright
 
     chromium = shutil.which("chromium") or "/usr/bin/chromium"
@@ -274,6 +374,17 @@ def test_real_browser_chat_two_turns_and_stop(app_url):
         assert answers.nth(1).locator(".tok-target").count() >= 1
         assert "cycle" in answers.nth(1).locator(".tok").first.get_attribute("title")
         assert page.locator("#dfs-chat-log .dfs-cycle").count() >= 1
+        # The baseline for the first answer, picked from the list: the target alone on that
+        # answer's prompt says exactly what it said, and the conversation's words stay as they were.
+        said = [answers.nth(i).locator(".dfs-text").inner_text() for i in range(2)]
+        page.locator("#dfs-chat-answer input").click()
+        page.get_by_role("option", name="Answer 1: My name is Ada. Please remember it.").click()
+        page.locator("#dfs-chat-time").click()
+        chat_status(page, "baseline for answer 1", 240_000)
+        assert "identical output ✓" in page.locator("#dfs-chat-status").inner_text()
+        assert page.locator("#dfs-chat-ar .dfs-text").inner_text() == said[0]
+        assert "× faster than the target alone" in answers.nth(0).locator(".dfs-chat-note").inner_text()
+        assert [answers.nth(i).locator(".dfs-text").inner_text() for i in range(2)] == said
         # Stop ends a long answer; what it had said stays, marked as stopped.
         page.locator("#dfs-chat-max-new input[type=number]").fill("1500")
         page.locator("#dfs-chat-max-new input[type=number]").press("Enter")
@@ -286,4 +397,5 @@ def test_real_browser_chat_two_turns_and_stop(app_url):
         page.locator("#dfs-chat-clear").click()
         page.wait_for_function("() => document.querySelectorAll('#dfs-chat-conv .dfs-chat-turn').length === 0",
                                timeout=30_000)
+        assert page.locator("#dfs-chat-answer input").input_value() == ""
         browser.close()
