@@ -48,7 +48,7 @@ def machine_key(target: TargetRunner, pair: str, block_size: int) -> str:
     parts = [where, f"threads={torch.get_num_threads()}", f"torch={torch.__version__}", f"pair={pair}",
              f"dtype={target.dtype}", f"runner={type(target).__name__}", f"vocab={target.vocab_size}",
              f"layers={target.num_layers}", f"hidden={target.hidden_size}", f"block={block_size}",
-             f"min_rows={getattr(target, '_min_rows', None)}"]
+             f"min_rows={getattr(target, 'min_rows', None)}"]
     return " | ".join(parts)
 
 

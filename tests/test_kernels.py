@@ -90,7 +90,7 @@ def test_the_load_probe_pads_small_passes_until_they_round_like_blocks(family):
         pytest.skip("this machine's bf16 kernels are not batch invariant at any padding")
     Padded = type("Padded", (_RoundsSmallPassesDifferently, FastTarget), {})
     runner = Padded(model)
-    assert (runner._min_rows, runner.batch_invariant) == (8, True)
+    assert (runner.min_rows, runner.batch_invariant) == (8, True)
     ids = torch.randint(5, runner.vocab_size, (12,), generator=torch.Generator().manual_seed(1))
     runner.reset(64)
     block = runner.forward(ids, None).logits
@@ -99,7 +99,7 @@ def test_the_load_probe_pads_small_passes_until_they_round_like_blocks(family):
     # Kernels that no padding helps: the probe says so (the engine then promises rounding only).
     Hopeless = type("Hopeless", (_RoundsOddPassesDifferently, FastTarget), {})
     runner = Hopeless(model)
-    assert (runner._min_rows, runner.batch_invariant) == (MIN_ROWS_CANDIDATES[0], False)
+    assert (runner.min_rows, runner.batch_invariant) == (MIN_ROWS_CANDIDATES[0], False)
 
 
 def test_packed_drafter_gives_the_same_hidden_states_and_follows_weight_changes():

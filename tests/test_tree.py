@@ -59,10 +59,10 @@ def test_walk_follows_the_target_choices():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_a_tree_pass_scores_every_node_as_decoding_its_path_does(family, dtype, replicas, monkeypatch):
-    from dflash_core import target as target_module
+    from dflash_core import tree_attention
 
     if not replicas:  # as for a long context or a large model: no room for per-path value copies
-        monkeypatch.setattr(target_module, "REPLICA_BYTES", 0)
+        monkeypatch.setattr(tree_attention, "REPLICA_BYTES", 0)
     model = tiny_target(family, dtype=dtype)
     runner = FastTarget(model)
     prompt = PROMPTS[0]

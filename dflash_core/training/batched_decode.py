@@ -9,7 +9,9 @@ ends, so rows whose answer ended early compute padding.
 
 Here every slot owns a preallocated stretch of the KV cache, query heads read their shared KV
 head in place (no repeat), and a slot whose answer ended takes the next prompt at once: the
-decode step always runs full. The weights and the math are ``FastTarget``'s.
+decode step always runs full. The weights and the per-layer math are ``FastTarget``'s (its
+per-layer interface: ``layers``, ``attention_inputs``, ``finish_layer``, ``logits``); the cache is
+``kv_cache.SlotKVCache``.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from typing import Callable, Hashable, Iterable, Iterator, Sequence
 import torch
 import torch.nn.functional as F
 
-from ..target import FastTarget, round_capacity
+from ..kv_cache import SlotKVCache
+from ..target import FastTarget
 
 
 @dataclass
@@ -49,17 +52,9 @@ class ContinuousBatchDecoder:
         # residual stream after these layers, as ``TargetRunner.forward`` defines them.
         self.layer_ids = list(layer_ids)
         self.slots = slots
-        self.capacity = round_capacity(capacity)
-        shape = (target.num_layers, slots, target.num_kv_heads, self.capacity, target.head_dim)
-        # Zeros: positions beyond a slot's length are masked, and 0 * NaN would poison a row.
-        # Keys are stored transposed, (..., D, capacity), so the score product takes the filled
-        # span as (D, span) rows. bf16 matmul still gathers a strided span into a contiguous copy,
-        # but from this layout the gather is cheap (measured, 64 slots, 165 cached positions:
-        # 128 -> 108 ms per step against slicing and transposing the (capacity, D) layout).
-        self.k_t = torch.zeros(shape[:3] + shape[4:] + shape[3:4], dtype=target.dtype, device=target.device)
-        self.v = torch.zeros(shape, dtype=target.dtype, device=target.device)
-        self.cos, self.sin = target.rope_tables(self.capacity)
-        self.lengths = torch.zeros(slots, dtype=torch.long, device=target.device)
+        self.cache = SlotKVCache(target.num_layers, slots, target.num_kv_heads, target.head_dim, capacity,
+                                 target.dtype, target.device)
+        self.cos, self.sin = target.rope_tables(self.cache.capacity)
 
     def _keep(self, feats: list[torch.Tensor | None], li: int, x: torch.Tensor) -> None:
         if li in self.layer_ids:
@@ -72,38 +67,38 @@ class ContinuousBatchDecoder:
     def prefill(self, slot: int, ids: torch.Tensor) -> tuple[int, torch.Tensor | None]:
         """Put prompt ``ids`` (P,) in ``slot`` (forgetting what it held); returns the next token
         and the prompt's features (P, len(layer_ids) * H), None without layer ids."""
-        t = self.t
+        t, cache = self.t, self.cache
         p = ids.shape[0]
-        if p + 1 > self.capacity:
-            raise ValueError(f"a prompt of {p} tokens does not fit slots of {self.capacity} positions")
+        if p + 1 > cache.capacity:
+            raise ValueError(f"a prompt of {p} tokens does not fit slots of {cache.capacity} positions")
         h, d = t.num_heads, t.head_dim
         x = t.embed(ids)
         cos, sin = self.cos[:p], self.sin[:p]
         feats: list[torch.Tensor | None] = [None] * len(self.layer_ids)
         for li, layer in enumerate(t.layers):
             q, k, v = t.attention_inputs(layer, x, cos, sin)
-            self.k_t[li, slot, :, :, :p] = k.permute(1, 2, 0)
-            self.v[li, slot, :, :p] = v.transpose(0, 1)
+            cache.k_t[li, slot, :, :, :p] = k.permute(1, 2, 0)
+            cache.v[li, slot, :, :p] = v.transpose(0, 1)
             att = F.scaled_dot_product_attention(
                 q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                 is_causal=True, scale=1.0, enable_gqa=True,
             )
             x = t.finish_layer(layer, x, att[0].transpose(0, 1).reshape(p, h * d))
             self._keep(feats, li, x)
-        self.lengths[slot] = p
+        cache.lengths[slot] = p
         return int(t.logits(x[-1:]).argmax(-1)), self._features(feats)
 
     @torch.inference_mode()
     def step(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Append one token (slots,) to every slot; returns each slot's greedy next token and the
         appended tokens' features (slots, len(layer_ids) * H), None without layer ids."""
-        t = self.t
+        t, cache = self.t, self.cache
         h, kv, d = t.num_heads, t.num_kv_heads, t.head_dim
         group = h // kv
         n = self.slots
-        pos = self.lengths.clone()
-        if int(pos.max()) >= self.capacity:
-            raise ValueError(f"a slot is full ({self.capacity} positions)")
+        pos = cache.lengths.clone()
+        if int(pos.max()) >= cache.capacity:
+            raise ValueError(f"a slot is full ({cache.capacity} positions)")
         span = int(pos.max()) + 1  # attention reads only the filled part of the cache
         rows = torch.arange(n, device=pos.device)
         hidden = (torch.arange(span, device=pos.device)[None, :] > pos[:, None])[:, None, None, :]
@@ -112,7 +107,7 @@ class ContinuousBatchDecoder:
         feats: list[torch.Tensor | None] = [None] * len(self.layer_ids)
         for li, layer in enumerate(t.layers):
             q, k, v = t.attention_inputs(layer, x, cos, sin)
-            keys_t, values = self.k_t[li], self.v[li]
+            keys_t, values = cache.k_t[li], cache.v[li]
             keys_t[rows, :, :, pos] = k
             values[rows, :, pos] = v
             # (slots*kv, group, d) @ (slots*kv, d, span): the query heads of a group share their
@@ -123,12 +118,12 @@ class ContinuousBatchDecoder:
             att = torch.matmul(probs, values[:, :, :span].reshape(n * kv, span, d)).reshape(n, h * d)
             x = t.finish_layer(layer, x, att)
             self._keep(feats, li, x)
-        self.lengths += 1
-        # fp32 argmax: 64 x 49,152 bf16 logits took 5.7 ms, converting then argmax 3.8 ms.
+        cache.lengths += 1
+        # Converting to fp32 first: its argmax is faster than bf16's, more than paying for the copy.
         return t.logits(x).float().argmax(-1), self._features(feats)
 
     def release(self, slot: int) -> None:
-        self.lengths[slot] = 0
+        self.cache.release(slot)
 
 
 def greedy_decode_stream(
