@@ -319,10 +319,13 @@ def test_the_openai_server_defaults_thinking_to_the_pairs_setting(thinking_pair)
 
 
 def open_chat(browser, url: str):
-
     page = open_studio(browser, url)
     page.get_by_role("tab", name="Chat").click()
     page.wait_for_selector("#dfs-chat-send", timeout=30_000)
+    # Loading and warming the pair up comes first, so that each answer's wait is for answering.
+    page.wait_for_function("() => /ready|failed/.test(document.querySelector('#dfs-model-status')?.innerText || '')",
+                           timeout=600_000)
+    assert "ready" in page.locator("#dfs-model-status").inner_text()
     return page
 
 
