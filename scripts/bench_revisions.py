@@ -1,0 +1,77 @@
+"""The bench on two revisions of the engine, interleaved: is a change "same outputs, same speed"?
+
+    python scripts/bench_revisions.py --base a106fa5 [--rounds 2] [--out runs/revisions] -- \
+        --prompts humaneval --limit 10 --max-new-tokens 256 --block-size 16 --methods dflash,ar
+
+Checks ``--base`` out into a temporary git worktree and runs ``python -m dflash_core bench`` with
+the arguments after ``--`` from it and from this checkout in turn (base, head, base, head...), so
+slow drift of a shared machine falls on both alike. Prints, per method, each revision's decode
+tokens/s (median over rounds) and their ratio, and whether every prompt's acceptance lengths and
+token counts (and DFlash == AR) came out the same on both: a restructuring must change none of
+them. Adaptive variants decide from measured times, so theirs may differ between runs of the same
+code; their outputs are still checked against AR by the bench itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def bench(tree: Path, args: list[str], out: Path) -> dict:
+    """One bench run with ``tree``'s code (first on the path, ahead of the editable install)."""
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    subprocess.run([sys.executable, "-m", "dflash_core", "bench", *args, "--out", str(out)], cwd=tree, env=env,
+                   check=True)
+    return json.loads((out / "results.json").read_text())
+
+
+def fingerprint(results: dict) -> dict:
+    """What must not change: per prompt and method, token count and acceptance lengths."""
+    return {(row["index"], name): (entry["tokens"], entry.get("acceptance_lengths"), row.get("dflash_equals_ar"))
+            for row in results["prompts"] for name, entry in row["methods"].items()}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--base", required=True, help="the revision to compare this checkout with")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "revisions")
+    parser.add_argument("bench_args", nargs=argparse.REMAINDER, help="after --: the bench's own arguments")
+    opts = parser.parse_args()
+    args = [a for a in opts.bench_args if a != "--"]
+    with tempfile.TemporaryDirectory() as tmp:
+        base_tree = Path(tmp) / "base"
+        subprocess.run(["git", "worktree", "add", "--detach", str(base_tree), opts.base], cwd=ROOT, check=True,
+                       capture_output=True)
+        try:
+            runs: dict[str, list[dict]] = {"base": [], "head": []}
+            for r in range(opts.rounds):
+                for label, tree in (("base", base_tree), ("head", ROOT)):
+                    runs[label].append(bench(tree, args, opts.out / f"{label}-{r}"))
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", str(base_tree)], cwd=ROOT, check=False)
+    methods = sorted(runs["head"][0]["summary"]["decode_tokens_per_s"])
+    report = {"base": opts.base, "bench_args": args, "rounds": opts.rounds, "methods": {}}
+    print(f"{'method':32} {'base tok/s':>11} {'head tok/s':>11} {'head/base':>9}  same outputs")
+    for m in methods:
+        speed = {label: statistics.median(r["summary"]["decode_tokens_per_s"][m] for r in rs) for label, rs in runs.items()}
+        same = all(fingerprint(b).get(k) == v for b, h in zip(runs["base"], runs["head"])
+                   for k, v in fingerprint(h).items() if k[1] == m)
+        report["methods"][m] = {**speed, "ratio": round(speed["head"] / speed["base"], 3), "same_outputs": same}
+        print(f"{m:32} {speed['base']:11.2f} {speed['head']:11.2f} {speed['head'] / speed['base']:9.3f}  {same}")
+    opts.out.mkdir(parents=True, exist_ok=True)
+    (opts.out / "revisions.json").write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
