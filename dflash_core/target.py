@@ -228,7 +228,7 @@ class FastTarget:
         self.layers = weights.layers
         self.cache = KVCache(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype, self.device)
         self.cos = self.sin = None  # rope_tables for the cache's capacity
-        self._tree = TreeAttention(self)
+        self._tree_attention = TreeAttention(self)
         # Fewest rows a forward runs with (see forward), and whether that makes every position's
         # numbers independent of how many rows share its pass: decided by a probe on this
         # machine's kernels, never assumed (they differ between CPUs and dtypes).
@@ -274,7 +274,7 @@ class FastTarget:
         self.cache.reset(max(1, min(capacity, self.max_positions)))
         if self.cache.capacity != allocated:
             self.cos, self.sin = self.rope_tables(self.cache.capacity)
-        self._tree.reset()
+        self._tree_attention.reset()
 
     def rope_tables(self, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin), each (capacity, heads + kv_heads, D), for ``rope``: queries' rows carry
@@ -292,7 +292,7 @@ class FastTarget:
 
     def truncate(self, length: int) -> None:
         self.cache.truncate(length)
-        self._tree.truncate(self.cache.length)
+        self._tree_attention.truncate(self.cache.length)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(input_ids.to(self.device), self.embed_weight)
@@ -391,12 +391,12 @@ class FastTarget:
         (``dflash_core.tree.depth_first``). Call ``keep_path`` next: it moves the kept nodes'
         K/V into place. In bf16 every node's numbers equal, bit for bit, those of decoding its
         path token by token."""
-        return TargetOutput(*self._tree.forward(tree, layer_ids))
+        return TargetOutput(*self._tree_attention.forward(tree, layer_ids))
 
     def keep_path(self, nodes: Sequence[int]) -> None:
         """After ``forward_tree``: keep the K/V of ``nodes`` (a root-first path) at consecutive
         positions, where autoregressive decoding of that path would have put them."""
-        self._tree.keep_path(nodes)
+        self._tree_attention.keep_path(nodes)
 
 
 def make_runner(model: torch.nn.Module, engine: str = "auto") -> TargetRunner:
