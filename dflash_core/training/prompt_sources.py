@@ -26,8 +26,10 @@ import gzip
 import hashlib
 import importlib.metadata
 import json
+import os
 import random
 import re
+import textwrap
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -140,12 +142,12 @@ def _package_files(module: str) -> list[Path]:
     return sorted(p for p in root.rglob("*.py") if "test" not in p.name and "/tests/" not in str(p))
 
 
-def code_stub_tasks(per_package: int = 400, seed: int = 0) -> Iterator[Prompt]:
+def code_stub_tasks(per_package: int = 400, seed: int = 0, packages: tuple[str, ...] = CODE_PACKAGES) -> Iterator[Prompt]:
     """Function stubs (signature + docstring) from third-party packages, as code tasks."""
     import importlib.util  # noqa: F401  (used by _package_files)
 
     rng = random.Random(seed)
-    for package in CODE_PACKAGES:
+    for package in packages:
         stubs: list[tuple[str, str, str]] = []
         for file in _package_files(package):
             try:
@@ -297,6 +299,283 @@ def math_problems(count: int, seed: int) -> Iterator[Prompt]:
         yield Prompt(_pid("math", text), "templates/math", _user(text), ["math"])
 
 
+# --------------------------------------------------------------- sources appended later (issue #21)
+# These grow the committed file by appending (``append_prompts``): gen-data answers the file in
+# order, so earlier prompts keep their places and the answers already made stay valid.
+
+# More third-party packages installed here whose functions become Python code tasks.
+MORE_CODE_PACKAGES = ("transformers", "torch", "plotly", "hypothesis", "gradio", "starlette", "fastapi", "requests",
+                      "dateutil", "regex", "sortedcontainers", "accelerate", "pytz", "tomlkit", "anyio", "openai",
+                      "psutil", "tokenizers", "narwhals", "uvicorn")
+# npm packages (MIT) whose JSDoc-documented functions become code tasks, and the files to read.
+JS_LIBRARIES = {"lodash": "lodash.js", "ramda": "src/*.js", "date-fns": "*.js"}
+# Languages a JavaScript task is asked in besides JavaScript itself: users write code in all of them.
+OTHER_LANGS = ("Python", "TypeScript", "Go", "Rust", "Java", "C#", "C++", "C", "Kotlin", "Swift", "Ruby", "PHP",
+               "Haskell", "Scala", "Bash", "Lua", "R", "Dart", "Elixir", "Julia")
+
+
+def chitchat_more(seed: int = 0, windows: int = 14000) -> Iterator[Prompt]:
+    """The openings of the conversations the first set left out, and mid-conversation windows.
+
+    ``chitchat_conversations`` over every conversation repeats the first set's 2,000 exactly (same
+    shuffle, same draws), which de-duplication drops; a window starts at a later turn so the model
+    is asked to continue a chat already under way."""
+    file = _dist_file("chitchat-dataset", "chitchat_dataset/dataset.json")
+    if file is None:
+        return
+    data = json.loads(file.read_text(encoding="utf-8"))
+    yield from chitchat_conversations(limit=len(data), seed=seed)
+    rng = random.Random(seed + 1)
+    keys = sorted(data)
+    for key in (rng.choice(keys) for _ in range(windows)):  # a long chat can give several windows
+        turns = [t for t in (" ".join(m["text"] for m in turn).strip() for turn in data[key]["messages"]) if t]
+        n = rng.choice((3, 5, 7))
+        if len(turns) < n + 2:
+            continue
+        start = 2 * rng.randint(1, (len(turns) - n) // 2)  # an even start: the window opens on "user"
+        messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": t}
+                    for i, t in enumerate(turns[start:start + n])]
+        yield Prompt(_pid("chitchat-mid", f"{key}/{start}/{n}"), "chitchat-dataset/mid", messages, ["multi-turn"])
+
+
+def _math_dataset_modules() -> dict[str, object]:
+    """mathematics-dataset's question generators by name (easy, medium and hard levels), or none."""
+    import sys
+
+    try:
+        # The package (2019) imports a sympy function from where sympy kept it before 1.6.
+        diophantine = importlib.import_module("sympy.solvers.diophantine.diophantine")
+        sys.modules["sympy.solvers.diophantine"].base_solution_linear = diophantine.base_solution_linear
+        from mathematics_dataset.modules import modules
+    except ImportError:
+        return {}
+
+    def entropy(level: int):  # the package's train-easy / -medium / -hard ranges
+        return lambda r: (r[0] + level / 3 * (r[1] - r[0]), r[0] + (level + 1) / 3 * (r[1] - r[0]))
+
+    found: dict[str, object] = {}
+
+    def flatten(tree: dict, prefix: str) -> None:
+        for key, value in tree.items():
+            if isinstance(value, dict):
+                flatten(value, f"{prefix}{key}/")
+            else:
+                found[prefix + key] = value
+
+    for level in (0, 1, 2):
+        flatten(modules.train(entropy(level)), f"{level}/")
+    return found
+
+
+def math_dataset_questions(per_module: int = 100, seed: int = 0) -> Iterator[Prompt]:
+    """School-level questions (algebra, arithmetic, calculus, numbers, probability, ...) from DeepMind's
+    generator; modules that fail under today's numpy are skipped."""
+    import numpy as np
+    from sympy.core.random import rng as sympy_rng
+
+    # The generator draws from the global random streams and sympy's own (unseeded at import):
+    # seed them, and put them back afterwards.
+    saved = random.getstate(), np.random.get_state(), sympy_rng.getstate()
+    rng = random.Random(seed)
+    try:
+        generators = _math_dataset_modules()
+        for index, name in enumerate(sorted(generators)):
+            # Composed questions order their parts by hashing: they differ from run to run.
+            if name.endswith("_composed"):
+                continue
+            for stream in (random, np.random, sympy_rng):  # per module, so one module cannot shift the next
+                stream.seed(seed * 1000 + index)
+            for _ in range(per_module):
+                try:
+                    question = " ".join(str(generators[name]().question).split())
+                except Exception:  # a module broken by newer numpy/sympy: skip it whole
+                    break
+                style = rng.random()
+                text = question if style < 0.6 else (question + " Show your work." if style < 0.8
+                                                      else f"Explain step by step how to solve this: {question}")
+                yield Prompt(_pid("mathds", text), f"mathematics-dataset/{name.split('/', 1)[1]}", _user(text), ["math"])
+    finally:
+        random.setstate(saved[0])
+        np.random.set_state(saved[1])
+        sympy_rng.setstate(saved[2])
+
+
+def _jsdoc_functions(text: str) -> Iterator[tuple[str, str, str, str]]:
+    """(name, parameters, description, example) of each public function documented with JSDoc."""
+    pattern = re.compile(r"/\*\*((?:(?!\*/).)*)\*/\s*(?:export\s+)?(?:var\s+\w+\s*=\s*[^\n]*?)?"
+                         r"function\s+(\w+)\s*\(([^)]*)\)", re.S)
+    for block, name, params in pattern.findall(text):
+        if name.startswith("_") or "@private" in block or "@deprecated" in block:
+            continue
+        lines = [re.sub(r"^\s*\* ?", "", line) for line in block.splitlines()]
+        sections: dict[str, list[str]] = {"": []}
+        tag = ""
+        for line in lines:
+            found = re.match(r"@(\w+)\s*(.*)", line.strip())
+            if found:
+                tag = found.group(1)
+                sections.setdefault(tag, []).append(found.group(2))
+            else:
+                sections.setdefault(tag, []).append(line)
+        described = sections.get("summary") or sections.get("description") or sections[""]
+        description = re.sub(r"\{@link\s+(\w+)\}", r"\1", " ".join(" ".join(described).split()))
+        example = textwrap.dedent("\n".join(line.rstrip() for line in sections.get("example", []))).strip("\n")
+        params = ", ".join(p.strip() for p in params.split(",") if p.strip() and p.strip() != "guard")
+        if 25 <= len(description) <= 500 and len(example) <= 600:
+            yield name, params, description, example
+
+
+def js_library_functions(node_modules: Path | None, seed: int = 0) -> Iterator[Prompt]:
+    """Two tasks per documented function of lodash, ramda and date-fns: one in JavaScript or
+    TypeScript (stub, instruction or with its example), one in another language."""
+    if node_modules is None:
+        return
+    rng = random.Random(seed)
+    for library, pattern in JS_LIBRARIES.items():
+        seen: set[str] = set()
+        for file in sorted((node_modules / library).glob(pattern)):
+            for name, params, description, example in _jsdoc_functions(file.read_text(encoding="utf-8")):
+                if name in seen:
+                    continue
+                seen.add(name)
+                tags = ["code"]
+                yield Prompt(_pid("jslib", library + name), f"npm-jsdoc/{library}",
+                             _user(_js_task(rng, name, params, description, example)), tags)
+                lang = rng.choice(OTHER_LANGS)
+                text = rng.choice((f"Write a {lang} function `{name}` for this task: {description}",
+                                   f"In {lang}, implement `{name}`. {description}",
+                                   f"How would I do this in {lang}? {description}"))
+                yield Prompt(_pid("jslib-port", library + name), f"npm-jsdoc/{library}", _user(text), tags)
+
+
+def _js_task(rng: random.Random, name: str, params: str, description: str, example: str) -> str:
+    style = rng.random()
+    if style < 0.35:
+        doc = "\n".join(" * " + line for line in description.split(". ") if line)
+        return f"Complete the following JavaScript function:\n\n```javascript\n/**\n{doc}\n */\nfunction {name}({params}) {{\n```"
+    if style < 0.6 and example:
+        return f"Write a JavaScript function `{name}({params})`. {description}\n\nExample:\n```javascript\n{example}\n```"
+    if style < 0.8:
+        return f"Implement `{name}({params})` in TypeScript, with types. {description}"
+    return f"Write a JavaScript function `{name}({params})`: {description}"
+
+
+def js_snippets(node_modules: Path | None, seed: int = 0) -> Iterator[Prompt]:
+    """30-seconds-of-code (CC0): each snippet's task to write, and its code to explain or translate."""
+    file = node_modules / "30-seconds-of-code/vscode_snippets/snippets.json" if node_modules else None
+    if file is None or not file.is_file():
+        return
+    rng = random.Random(seed)
+    for name, snippet in sorted(json.loads(file.read_text(encoding="utf-8")).items()):
+        task = " ".join(snippet["description"].split("\n\n")[0].split())
+        code = "\n".join(snippet["body"])
+        if len(task) < 20:
+            continue
+        lang = rng.choice(OTHER_LANGS)
+        write = rng.choice((f"Write a JavaScript function `{name}`. {task}", f"In JavaScript: {task} Call the function `{name}`."))
+        read = rng.choice((f"Explain what this JavaScript code does:\n\n```javascript\n{code}\n```",
+                           f"Rewrite this JavaScript function in {lang}:\n\n```javascript\n{code}\n```"))
+        yield Prompt(_pid("js30", name + write), "npm-30-seconds-of-code", _user(write), ["code"])
+        yield Prompt(_pid("js30", name + read), "npm-30-seconds-of-code", _user(read), ["code"])
+
+
+# How each language's libraries document a function: the doc-comment prefix, and the start of a
+# documented public function's declaration (its name in group 1).
+DOC_COMMENTED = {
+    "Go": ("go", "//", re.compile(r"func (?:\([^)]*\)\s*)?([A-Z]\w*)")),
+    "Rust": ("rs", "///", re.compile(r"pub (?:const )?(?:unsafe )?fn (\w+)")),
+}
+
+
+def _doc_commented_functions(text: str, comment: str, start: re.Pattern) -> Iterator[tuple[str, str, str, str]]:
+    """(name, signature, description, code) of each function whose declaration follows its doc
+    comment; code is the whole function when it is short, else empty."""
+    lines = text.splitlines()
+    doc: list[str] = []
+    for i, line in enumerate(lines):
+        stripped = line.strip()
+        if stripped.startswith(comment):
+            doc.append(stripped[len(comment):].removeprefix(" "))
+            continue
+        found = start.match(stripped)
+        if doc and found:
+            # The signature runs to the body's brace (a Rust `where` clause spans lines).
+            signature = " ".join(part.strip() for part in lines[i:i + 6])
+            signature = " ".join(signature.split("{")[0].split())
+            paragraph = []
+            for text_line in doc:
+                if not text_line.strip() or text_line.startswith(("#", "```")):
+                    break
+                paragraph.append(text_line.strip())
+            description = " ".join(paragraph)
+            if 25 <= len(description) <= 500 and len(signature) <= 200:
+                yield found.group(1), signature, description, _function_code(lines, i)
+        if not stripped.startswith("#["):  # Rust attributes sit between a doc comment and its function
+            doc = []
+
+
+def _function_code(lines: list[str], first: int, max_lines: int = 30) -> str:
+    """The function declared at ``lines[first]``, up to the closing brace at its own indentation."""
+    indent = lines[first][: len(lines[first]) - len(lines[first].lstrip())]
+    for last in range(first + 1, min(first + max_lines, len(lines))):
+        if lines[last] == indent + "}":
+            return textwrap.dedent("\n".join(lines[first:last + 1]))
+    return ""
+
+
+def debian_library_functions(debian_root: Path | None, seed: int = 0) -> Iterator[Prompt]:
+    """Go and Rust code tasks from the documented functions of libraries Debian packages as source
+    (``usr/share/gocode``, ``usr/share/cargo/registry``): a stub to complete or a function to write."""
+    if debian_root is None:
+        return
+    rng = random.Random(seed)
+    for lang, (ext, comment, start) in DOC_COMMENTED.items():
+        files = sorted(p for p in (debian_root / "usr/share").rglob(f"*.{ext}")
+                       if "test" not in p.name and "/tests/" not in str(p) and "/examples/" not in str(p))
+        for file in files:
+            for name, signature, description, code in _doc_commented_functions(file.read_text(encoding="utf-8", errors="replace"),
+                                                                         comment, start):
+                style = rng.random()
+                if style < 0.5:
+                    doc = "\n".join(f"{comment} {line}" for line in textwrap.wrap(description, 90))
+                    text = f"Complete the following {lang} function:\n\n```{lang.lower()}\n{doc}\n{signature} {{\n```"
+                elif style < 0.8:
+                    text = f"Write a {lang} function with this signature:\n\n```{lang.lower()}\n{signature}\n```\n\n{description}"
+                else:
+                    text = f"Write a {lang} function `{name}`. Its documentation says: {description}"
+                library = next((file.parts[k + 1] for k, part in enumerate(file.parts) if part == "registry"),
+                               file.parent.name)  # a Rust crate's folder, or a Go package's
+                yield Prompt(_pid("debian-code", file.name + signature), f"debian-{lang.lower()}/{library}",
+                             _user(text), ["code"])
+                if code.count("\n") >= 3:  # worth explaining, reviewing, testing or translating
+                    ask = rng.choice((f"Explain what this {lang} function does:",
+                                      f"Review this {lang} function and suggest improvements:",
+                                      f"Write unit tests for this {lang} function:",
+                                      f"Translate this {lang} function to {rng.choice(OTHER_LANGS)}:"))
+                    text = f"{ask}\n\n```{lang.lower()}\n{code}\n```"
+                    yield Prompt(_pid("debian-code-read", file.name + signature), f"debian-{lang.lower()}/{library}",
+                                 _user(text), ["code"])
+
+
+def build_appended_prompts(seed: int = 0, sources_dir: Path | None = None) -> list[Prompt]:
+    """The sources added after the first set, de-duplicated and shuffled; deterministic for a seed
+    and a set of installed package versions. ``sources_dir`` holds the npm packages
+    (``node_modules/``) and the unpacked Debian packages (``debian/``) that ``make prompts`` fetches."""
+    node_modules = sources_dir / "node_modules" if sources_dir else None
+    debian_root = sources_dir / "debian" if sources_dir else None
+    sources: list[Iterable[Prompt]] = [
+        chitchat_more(seed),
+        math_dataset_questions(seed=seed),
+        js_library_functions(node_modules, seed),
+        js_snippets(node_modules, seed),
+        debian_library_functions(debian_root, seed),
+        code_stub_tasks(per_package=250, seed=seed, packages=MORE_CODE_PACKAGES),
+    ]
+    prompts = _unique(p for source in sources for p in source)
+    random.Random(seed).shuffle(prompts)
+    return prompts
+
+
 # ----------------------------------------------------------------------------------- the whole set
 def build_prompt_set(seed: int = 0) -> list[Prompt]:
     """All sources, de-duplicated and shuffled; deterministic for a seed."""
@@ -345,9 +624,73 @@ def read_prompts(path: str | Path) -> list[Prompt]:
         return [Prompt(**json.loads(line)) for line in fh if line.strip()]
 
 
+def _text_key(prompt: Prompt) -> str:
+    """What makes two prompts the same question: their messages, case and spacing aside."""
+    return " ".join(json.dumps(prompt.messages, ensure_ascii=False).lower().split())
+
+
+def _unique(prompts: Iterable[Prompt], seen_ids: set[str] | None = None, seen_texts: set[str] | None = None) -> list[Prompt]:
+    """The first of each id and of each text, skipping those already seen (the sets are updated)."""
+    seen_ids = set() if seen_ids is None else seen_ids
+    seen_texts = set() if seen_texts is None else seen_texts
+    kept: list[Prompt] = []
+    for prompt in prompts:
+        key = _text_key(prompt)
+        if prompt.id in seen_ids or key in seen_texts:
+            continue
+        seen_ids.add(prompt.id)
+        seen_texts.add(key)
+        kept.append(prompt)
+    return kept
+
+
+def append_prompts(path: str | Path, prompts: Iterable[Prompt]) -> list[Prompt]:
+    """Append the prompts the file lacks (by id or text) after its last line; returns those appended.
+
+    Existing lines are copied byte for byte and the file is replaced atomically, so gen-data's
+    cursor and the answers already made stay valid (a run reading the file meanwhile sees the old
+    or the new file, never half of one). Appending the same prompts again adds nothing."""
+    path = Path(path)
+    with gzip.open(path, "rb") as fh:
+        old_bytes = fh.read()
+    old = read_prompts(path)
+    added = _unique(prompts, {p.id for p in old}, {_text_key(p) for p in old})
+    if not added:
+        return []
+    if old_bytes and not old_bytes.endswith(b"\n"):
+        old_bytes += b"\n"
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as gz:
+        gz.write(old_bytes + "".join(p.to_json() + "\n" for p in added).encode("utf-8"))
+    tmp.replace(path)
+    return added
+
+
 def summarize(prompts: list[Prompt]) -> dict[str, int]:
     counts: dict[str, int] = {}
     for p in prompts:
         key = re.sub(r"/.*", "", p.source)
         counts[key] = counts.get(key, 0) + 1
     return dict(sorted(counts.items()))
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m dflash_core.training.prompt_sources --append FILE``: grow the committed set."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--append", type=Path, required=True, help="the prompt file (.jsonl.gz) to grow")
+    parser.add_argument("--sources", type=Path, default=None,
+                        help="where `make prompts` put the npm (node_modules/) and Debian (debian/) sources")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if os.environ.get("PYTHONHASHSEED") != "0":
+        # Some generated questions name their variables in set order: fix hashing to fix them.
+        raise SystemExit("run with PYTHONHASHSEED=0 (as `make prompts` does) so the prompts are reproducible")
+    added = append_prompts(args.append, build_appended_prompts(args.seed, args.sources))
+    total = len(read_prompts(args.append))
+    print(f"appended {len(added)} prompts to {args.append} ({total} in all): {summarize(added)}")
+
+
+if __name__ == "__main__":
+    main()
