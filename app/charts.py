@@ -1,6 +1,13 @@
-"""Plotly figures of a run: acceptance per cycle, its histogram, where the time goes, the race."""
+"""Plotly figures of a run: acceptance per cycle, its histogram, where the time goes, the race.
+
+``CHARTS`` declares them for the Live tab: the layout, the outputs and the values a run ends with
+are all built from it, so adding a chart is one entry there (and its figure function here).
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
 
 import plotly.graph_objects as go
 
@@ -57,3 +64,19 @@ def race(dflash: RunRecord | None, ar: RunRecord | None) -> go.Figure:
             fig.add_scatter(x=[0.0] + [t for t, _ in run.timeline], y=[0] + [n for _, n in run.timeline],
                             mode="lines", line={"shape": "hv", "color": color, "width": 3}, name=name)
     return _layout(fig, "The race: tokens over time (common clock)", "seconds", "tokens")
+
+
+@dataclass(frozen=True)
+class Chart:
+    name: str  # the page's element id is ``dfs-plot-<name>``
+    label: str
+    draw: Callable[[RunRecord | None, RunRecord | None, int], go.Figure]  # (DFlash run, baseline run, block size)
+
+
+CHARTS = (
+    Chart("accept", "Acceptance length per cycle", lambda dflash, ar, block: acceptance_per_cycle(dflash)),
+    Chart("hist", "Histogram", lambda dflash, ar, block: acceptance_histogram(dflash, block)),
+    Chart("phase", "Drafter vs verifier time", lambda dflash, ar, block: phase_times(dflash)),
+    Chart("race", "The race", lambda dflash, ar, block: race(dflash, ar)),
+)
+CHARTS_PER_ROW = 2

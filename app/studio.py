@@ -119,13 +119,11 @@ class LiveViews:
     speedup: Any
     log: Any
     live_update: Any  # a hidden textbox: each value is one live update (APPLY_LIVE_UPDATE_JS)
-    plot_accept: Any
-    plot_hist: Any
-    plot_phase: Any
-    plot_race: Any
+    plots: dict[str, Any]  # charts.CHARTS' name -> its gr.Plot
 
     def all(self) -> list[Any]:
-        return [getattr(self, f.name) for f in fields(self)]
+        single = [getattr(self, f.name) for f in fields(self) if f.name != "plots"]
+        return single + list(self.plots.values())
 
 
 class Studio:
@@ -220,7 +218,7 @@ class Studio:
             v.dflash_counters: render.counters_html(None, "DFlash"),
             v.ar_counters: render.counters_html(None, "Autoregressive"),
             v.speedup: render.speedup_html(None, None, None),
-            v.plot_accept: None, v.plot_hist: None, v.plot_phase: None, v.plot_race: None,
+            **{plot: None for plot in v.plots.values()},
         }
         records: dict[str, RunRecord] = {}
         runs = [("dflash", cfg)] + ([("ar", ar_cfg)] if baseline else [])
@@ -254,9 +252,7 @@ class Studio:
             v.speedup: render.speedup_html(d, a, same, variant),
             # The plots once, at the end: they are the heaviest thing to build and to draw, and a
             # browser drawing them beside a timed run would slow it.
-            v.plot_accept: charts.acceptance_per_cycle(d),
-            v.plot_hist: charts.acceptance_histogram(d, int(block or 16)),
-            v.plot_phase: charts.phase_times(d), v.plot_race: charts.race(d, a),
+            **{v.plots[chart.name]: chart.draw(d, a, cfg.block_size or 1) for chart in charts.CHARTS},
         }
 
     def model_status(self) -> tuple[str, Any]:
@@ -421,12 +417,11 @@ def build_studio(service: StudioService | None = None) -> tuple[Studio, gr.Block
                     speedup = gr.HTML(render.speedup_html(None, None, None), elem_id="dfs-speedup")
                     log = gr.HTML(render.cycle_log_html(None), elem_id="dfs-log")
                     live_update = gr.Textbox(visible="hidden", elem_id="dfs-live-update")
-            with gr.Row():
-                p_accept = gr.Plot(label="Acceptance length per cycle", elem_id="dfs-plot-accept")
-                p_hist = gr.Plot(label="Histogram", elem_id="dfs-plot-hist")
-            with gr.Row():
-                p_phase = gr.Plot(label="Drafter vs verifier time", elem_id="dfs-plot-phase")
-                p_race = gr.Plot(label="The race", elem_id="dfs-plot-race")
+            plots = {}
+            for first in range(0, len(charts.CHARTS), charts.CHARTS_PER_ROW):
+                with gr.Row():
+                    for chart in charts.CHARTS[first:first + charts.CHARTS_PER_ROW]:
+                        plots[chart.name] = gr.Plot(label=chart.label, elem_id=f"dfs-plot-{chart.name}")
 
         with gr.Tab("Chat"):
             with gr.Row():
@@ -501,7 +496,7 @@ def build_studio(service: StudioService | None = None) -> tuple[Studio, gr.Block
         c_pair.change(lambda p: thinking_box(service, p, load=True), c_pair, c_thinking, api_visibility="private")
         studio.views = LiveViews(status=status, dflash_text=d_text, dflash_counters=d_counters, ar_text=a_text,
                                  ar_counters=a_counters, speedup=speedup, log=log, live_update=live_update,
-                                 plot_accept=p_accept, plot_hist=p_hist, plot_phase=p_phase, plot_race=p_race)
+                                 plots=plots)
         # No progress overlays on the outputs: the status line says what runs, and the browser
         # keeps its time for the live updates.
         go_btn.click(gpu(studio.compare), [pair, prompt, block, temperature, max_new, seed, baseline, adaptive, tree, lookup,

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from app.charts import CHARTS
 from dflash_core import cli
 from dflash_core.testing import generate_in_page, open_studio, wait_for_status
 
@@ -152,8 +153,10 @@ def test_real_browser_runs_a_generation_and_shows_coloured_tokens_and_plots(app_
         assert page.locator("#dfs-dflash .tok-target").count() >= 1
         assert page.locator("#dfs-dflash .tok").count() >= 5
         assert page.locator("#dfs-ar .tok-ar").count() >= 5
-        # The plots come with the last update and plotly draws them after the status says done.
-        page.wait_for_selector("#dfs-plot-race .js-plotly-plot, #dfs-plot-race .plotly", timeout=30_000)
+        # Every declared chart comes with the last update; plotly draws it after the status says done.
+        for chart in CHARTS:
+            page.wait_for_selector(f"#dfs-plot-{chart.name} .js-plotly-plot, #dfs-plot-{chart.name} .plotly",
+                                   timeout=30_000)
         speedup = page.locator("#dfs-speedup").inner_text()
         assert re.search(r"[\d.]+× faster than the target alone \([\d.]+ vs [\d.]+ tok/s\)", speedup), speedup
         assert "identical output" in speedup
