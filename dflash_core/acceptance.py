@@ -1,22 +1,33 @@
-"""Lossless acceptance rules: pure functions of drafts, logits and a random generator.
+"""Lossless acceptance rules, in one table (``RULES``) with one signature.
 
-Notation: the verified block has ``k + 1`` slots; ``draft`` holds the ``k`` drafted tokens
-(block slots 1..k) and the target's distribution at slot ``i`` is its prediction for the token
-that follows slot ``i``. Every rule returns ``(num_accepted, bonus)``: the first
-``num_accepted`` drafts are kept and the target supplies one more token, ``bonus``, so a cycle
-commits ``num_accepted + 1`` tokens (the "acceptance length").
+Notation: a cycle verifies ``k`` drafts after the anchor (a chain: block slots 1..k; or a tree's
+nodes), and the target's distribution at a node is its prediction for the token that follows
+it. A rule decides which drafts are kept; the target then supplies one more token, ``bonus``, so
+a cycle commits ``num_accepted + 1`` tokens (the "acceptance length").
 
-* ``greedy``: keep drafts while they equal the target's argmax; the output is exactly the
-  target's greedy decoding.
-* ``match`` (z-lab's rule at temperature > 0): draw the target's own sample at every slot and
-  keep drafts while they equal it. Each committed token is a sample of the target given the
-  committed prefix, so the output follows the target's distribution exactly.
+A rule is ``decide(target_logits, sampling, sampled) -> Verdict``. Most rules name the target's
+own token after every verified node (``Verdict.choices``) and leave the keeping to the walk every
+draft shape knows: keep drafts while they equal the target's token (a chain's prefix, a tree's
+path; see ``tree.walk``). A rule that decides itself how many drafts to keep says so in
+``Verdict.num_accepted`` and works on chains only (``Rule.trees``).
+
+* ``greedy``: the target's argmax at every node; the output is exactly the target's greedy
+  decoding.
+* ``match`` (z-lab's rule at temperature > 0): the target's own sample at every node. Each
+  committed token is a sample of the target given the committed prefix, so the output follows
+  the target's distribution exactly.
 * ``pq`` (Leviathan et al. speculative sampling): a draft token ``x ~ q`` is kept with
   probability ``min(1, p(x) / q(x))``; at the first rejection the target's token is drawn from
-  ``norm(max(0, p - q))``. Also exact, and it keeps more drafts when ``q`` is close to ``p``.
+  ``norm(max(0, p - q))``. Also exact, and it keeps more drafts when ``q`` is close to ``p``; it
+  needs drafts drawn from the drafter's distribution (``SampledDrafts``).
+
+Adding a rule is adding its function and a ``RULES`` entry: the loop looks the rule up once.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -55,11 +66,6 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     return torch.searchsorted(cdf, point, right=True).view(probs.shape[:-1])
 
 
-def _prefix_length(matches: torch.Tensor) -> torch.Tensor:
-    """Length of the leading run of True in a 1-D bool tensor (0-d tensor, no host sync)."""
-    return matches.to(torch.int64).cumprod(0).sum()
-
-
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """The greedy choice of every row. In float32: widening is exact, so the index (ties to the
     first) is the same, and on this CPU argmax over bf16 rows is ~4x slower (1.06 ms against
@@ -67,23 +73,83 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.float().argmax(-1)
 
 
-def greedy(draft: torch.Tensor, target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """-> (num_accepted, bonus, target_choices). ``draft``: (k,), ``target_logits``: (k+1, V)."""
-    choices = argmax(target_logits)
-    accepted = _prefix_length(draft == choices[:-1])
-    return accepted, choices[accepted], choices
+@dataclass(frozen=True)
+class Sampling:
+    """How the target's own tokens are chosen: the argmax at temperature 0, else a draw with
+    ``generator`` from ``warp``'s distribution."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    generator: torch.Generator | None = None
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        return warp(logits, self.temperature, self.top_p, self.top_k)
+
+    def choose(self, logits: torch.Tensor) -> torch.Tensor:
+        """One token per row of ``logits`` (..., V) -> (...)."""
+        return sample(self.probs(logits), self.generator) if self.temperature > 0 else argmax(logits)
 
 
-def match(
-    draft: torch.Tensor, target_probs: torch.Tensor, generator: torch.Generator | None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """z-lab's rule. -> (num_accepted, bonus, target_samples)."""
-    samples = sample(target_probs, generator)
-    accepted = _prefix_length(draft == samples[:-1])
-    return accepted, samples[accepted], samples
+@dataclass(frozen=True)
+class SampledDrafts:
+    """A chain of drafts drawn from the drafter's warped distribution ``q`` (what ``pq`` reads)."""
+
+    tokens: torch.Tensor  # (k,) token ids
+    probs: torch.Tensor  # (k, V') the distribution each draft was drawn from
+    columns: torch.Tensor | None  # (V',) sorted: the token id of each column; None: the whole vocabulary
 
 
-def pq(
+class Verdict(NamedTuple):
+    """A rule's decision, still on the device (the loop moves it to the host once per cycle)."""
+
+    choices: torch.Tensor  # (nodes,) the target's token after each verified node; (0,) if the rule draws none
+    num_accepted: torch.Tensor | None = None  # () drafts kept, when the rule decides it (not by walking)
+    bonus: torch.Tensor | None = None  # () with ``num_accepted``: the target's token after the kept drafts
+
+
+def greedy(target_logits: torch.Tensor, sampling: Sampling, sampled: SampledDrafts | None) -> Verdict:
+    """Walk the target's argmax. ``target_logits``: (nodes, V)."""
+    return Verdict(argmax(target_logits))
+
+
+def match(target_logits: torch.Tensor, sampling: Sampling, sampled: SampledDrafts | None) -> Verdict:
+    """z-lab's rule: walk the target's own samples."""
+    return Verdict(sample(sampling.probs(target_logits), sampling.generator))
+
+
+def pq(target_logits: torch.Tensor, sampling: Sampling, sampled: SampledDrafts | None) -> Verdict:
+    """Speculative sampling of a chain; with nothing drawn from ``q`` (no drafts), ``match``."""
+    if sampled is None:
+        return match(target_logits, sampling, sampled)
+    accepted, bonus = pq_accept(sampled.tokens, sampled.probs, sampling.probs(target_logits), sampling.generator,
+                                sampled.columns)
+    return Verdict(sampled.tokens[:0], accepted, bonus)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A ``RULES`` entry: ``decide(target_logits, sampling, sampled) -> Verdict`` and what it needs."""
+
+    decide: Callable[[torch.Tensor, Sampling, SampledDrafts | None], Verdict]
+    trees: bool = True  # decides by walking the target's choices, so it verifies trees too
+    samples_drafts: bool = False  # reads ``SampledDrafts``: chain drafts must be drawn from q
+
+
+RULES: dict[str, Rule] = {
+    "greedy": Rule(greedy),
+    "match": Rule(match),
+    "pq": Rule(pq, trees=False, samples_drafts=True),
+}
+SAMPLED_RULES = tuple(name for name in RULES if name != "greedy")  # what temperature > 0 may use
+
+
+def rule_for(temperature: float, name: str) -> Rule:
+    """The rule a generation uses: ``greedy`` at temperature 0, else the named one."""
+    return RULES["greedy" if temperature == 0 else name]
+
+
+def pq_accept(
     draft: torch.Tensor,
     draft_probs: torch.Tensor,
     target_probs: torch.Tensor,
@@ -112,3 +178,8 @@ def pq(
     # total == 0 only when p == q exactly, where rejection has probability 0; guard anyway.
     dist = residual / total if float(total) > 0 else target_probs[n]
     return accepted, sample(dist, generator)
+
+
+def _prefix_length(matches: torch.Tensor) -> torch.Tensor:
+    """Length of the leading run of True in a 1-D bool tensor (0-d tensor, no host sync)."""
+    return matches.to(torch.int64).cumprod(0).sum()

@@ -141,3 +141,15 @@ def walk(tree: DraftTree, choices: Sequence[int]) -> tuple[list[int], int]:
     while (child := children.get((kept[-1], int(choices[kept[-1]])))) is not None:
         kept.append(child)
     return kept, int(choices[kept[-1]])
+
+
+def best_extension(tree: DraftTree, path: list[int]) -> list[int]:
+    """``path`` (root first) continued down the tree through each node's best-scored child, to a
+    leaf: what a cycle's event shows (the kept nodes, then the likeliest drafts below them).
+    ``tree`` must be depth-first, which lists children best first."""
+    path = list(path)
+    while True:
+        child = next((n for n in range(path[-1] + 1, len(tree)) if tree.parents[n] == path[-1]), None)
+        if child is None:
+            return path
+        path.append(child)

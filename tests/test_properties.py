@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dflash_core import acceptance
+from dflash_core.proposers import ChainDraft
 from dflash_core.speculative import choose_draft_length
 from dflash_core.target import FastTarget
 from dflash_core.testing import tiny_drafter, tiny_target
@@ -22,27 +23,30 @@ def test_greedy_accepts_exactly_the_matching_prefix(k, vocab, seed):
     logits = torch.randn(k + 1, vocab, generator=gen)
     choices = logits.argmax(-1)
     draft = torch.where(torch.rand(k, generator=gen) < 0.6, choices[:k], torch.randint(vocab, (k,), generator=gen))
-    a, bonus, got = acceptance.greedy(draft, logits)
-    a = int(a)
-    assert torch.equal(got, choices)
+    out = ChainDraft(anchor=0, tokens=draft, confidence=torch.ones(k)).settle(
+        acceptance.greedy(logits, acceptance.Sampling(), None))
+    a = out.num_accepted
+    assert out.drafted == draft.tolist() and out.target_choices == choices.tolist()
     assert torch.equal(draft[:a], choices[:a])
     assert a == k or draft[a] != choices[a]
-    assert int(bonus) == int(choices[a])
+    assert out.bonus == int(choices[a])
 
 
 @settings(max_examples=200, deadline=None)
 @given(k=st.integers(0, 15), vocab=st.integers(2, 9), seed=st.integers(0, 10**6))
 def test_match_rule_keeps_drafts_while_they_equal_the_targets_samples(k, vocab, seed):
     gen = torch.Generator().manual_seed(seed)
-    probs = torch.softmax(torch.randn(k + 1, vocab, generator=gen), -1)
+    logits = torch.randn(k + 1, vocab, generator=gen) * 3
+    logits[:, 0] = float("-inf")  # token 0 has probability 0: never a sample
     draft = torch.randint(vocab, (k,), generator=gen)
-    a, bonus, samples = acceptance.match(draft, probs, gen)
-    a = int(a)
-    assert 0 <= a <= k
-    assert torch.equal(draft[:a], samples[:a])
+    out = ChainDraft(anchor=0, tokens=draft, confidence=torch.ones(k)).settle(
+        acceptance.match(logits, acceptance.Sampling(temperature=1.0, generator=gen), None))
+    a, samples = out.num_accepted, out.target_choices
+    assert 0 <= a <= k and len(samples) == k + 1
+    assert draft[:a].tolist() == samples[:a]
     assert a == k or draft[a] != samples[a]
-    assert int(bonus) == int(samples[a])
-    assert all(probs[i, samples[i]] > 0 for i in range(k + 1))
+    assert out.bonus == samples[a]
+    assert 0 not in samples
 
 
 @settings(max_examples=200, deadline=None)

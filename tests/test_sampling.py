@@ -9,11 +9,13 @@ rejected with a p-value below 1e-30.
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 import torch
 
 from dflash_core import acceptance
+from dflash_core.proposers import ChainDraft
 from dflash_core.speculative import GenerationConfig, collect, stream
 from dflash_core.target import FastTarget
 from dflash_core.testing import exact_three_tokens, chi_square_passes, tiny_drafter, tiny_target
@@ -34,13 +36,15 @@ def test_acceptance_rules_keep_the_first_token_distributed_as_the_target(rule):
     for _ in range(n):
         if rule == "pq":
             draft = acceptance.sample(draft_probs, gen)
-            a, bonus = acceptance.pq(draft, draft_probs, target_probs, gen)
+            a, bonus = acceptance.pq_accept(draft, draft_probs, target_probs, gen)
         elif rule == "pq-draft-vocab":
             draft = columns[acceptance.sample(draft_probs, gen)]
-            a, bonus = acceptance.pq(draft, draft_probs, target_probs, gen, columns)
+            a, bonus = acceptance.pq_accept(draft, draft_probs, target_probs, gen, columns)
         else:
             draft = draft_probs.argmax(-1)
-            a, bonus, _ = acceptance.match(draft, target_probs, gen)
+            verdict = acceptance.match(target_probs.log(), acceptance.Sampling(temperature=1.0, generator=gen), None)
+            settled = ChainDraft(anchor=0, tokens=draft, confidence=torch.ones(k)).settle(verdict)
+            a, bonus = settled.num_accepted, settled.bonus
         a = int(a)
         accepted_total += a
         first = int(draft[0]) if a > 0 else int(bonus)
@@ -78,14 +82,15 @@ def test_pq_rule_accepts_everything_when_draft_equals_target():
     probs = torch.softmax(torch.randn(5, 7, generator=gen), -1)
     for _ in range(200):
         draft = acceptance.sample(probs[:4], gen)
-        a, _ = acceptance.pq(draft, probs[:4], probs, gen)
+        a, _ = acceptance.pq_accept(draft, probs[:4], probs, gen)
         assert int(a) == 4
 
 
 def test_greedy_rule_is_the_argmax_prefix():
     logits = torch.tensor([[0.0, 5, 0], [9, 0, 0], [0, 0, 4], [1, 0, 0]])
-    a, bonus, choices = acceptance.greedy(torch.tensor([1, 0, 1]), logits)
-    assert (int(a), int(bonus), choices.tolist()) == (2, 2, [1, 0, 2, 0])
+    draft = ChainDraft(anchor=0, tokens=torch.tensor([1, 0, 1]), confidence=torch.ones(3))
+    out = draft.settle(acceptance.greedy(logits, acceptance.Sampling(), None))
+    assert (out.num_accepted, out.bonus, out.target_choices) == (2, 2, [1, 0, 2, 0])
 
 
 def test_argmax_is_the_model_dtypes_argmax_ties_included():
@@ -158,3 +163,25 @@ def test_sampling_is_reproducible_for_a_seed():
     c = collect(stream(runner, drafter, [5, 6, 7], GenerationConfig(max_new_tokens=30, block_size=8, temperature=0.9, seed=7).validated(16))).token_ids
     assert a == b
     assert a != c
+
+
+def test_a_rule_added_to_the_table_is_the_one_the_loop_uses(monkeypatch):
+    """The loop looks its rule up in ``acceptance.RULES`` once and applies it to every cycle's
+    verified drafts, whatever their shape: a chain here, a tree with ``tree = true``."""
+    model = tiny_target("llama", seed=3)
+    runner = FastTarget(model)
+    drafter = tiny_drafter(model)
+    calls = []
+
+    def counted_match(logits, sampling, sampled):
+        calls.append(logits.shape[0])
+        return acceptance.match(logits, sampling, sampled)
+
+    monkeypatch.setitem(acceptance.RULES, "counted", acceptance.Rule(counted_match))
+    for tree in (False, True):
+        config = GenerationConfig(max_new_tokens=24, block_size=8, temperature=0.8, seed=5, tree=tree).validated(16)
+        reference = collect(stream(runner, drafter, [5, 6, 7], config))
+        calls.clear()
+        out = collect(stream(runner, drafter, [5, 6, 7], replace(config, rule="counted")))
+        assert out.token_ids == reference.token_ids
+        assert calls == [1 + max(c.tree_nodes, len(c.drafted)) for c in out.cycles]

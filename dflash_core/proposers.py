@@ -1,0 +1,362 @@
+"""Where a cycle's drafts come from: proposers, and the two shapes of draft they return.
+
+A proposer's ``propose`` returns a draft for the next cycle and its ``observe`` learns from what
+the target kept; the loop (``speculative.stream``) never knows which proposer it has.
+
+* ``NoDrafts``: the target alone (autoregressive decoding).
+* ``ChainProposer``: the DFlash drafter's block as one chain, each slot's likeliest token (or,
+  for a rule that reads ``q``, a draw from it); adaptive: cut to the length that pays best.
+* ``TreeProposer``: the drafter's likeliest continuations as a tree (``tree.py``), with prompt
+  lookup's guess grafted in (``lookup.py``); adaptive: cut to the prefix that pays best, and a
+  confident guess verified alone, without running the drafter.
+
+A draft is a ``ChainDraft`` (flat tensors, verified by the target's plain forward) or a
+``TreeDraft`` (verified by ``forward_tree``); both answer the same three calls: ``verify`` (one
+target pass), ``settle`` (the rule's verdict to the host: the cycle's one transfer) and
+``commit`` (the target's cache and features cut to what was kept).
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+from dataclasses import dataclass, field
+from typing import Callable, Protocol, Sequence
+
+import torch
+
+from .acceptance import Sampling, SampledDrafts, Verdict, sample
+from .drafter import DFlashDrafter
+from .lookup import LookupStats, NgramIndex, graft, worth_drafting
+from .target import TargetOutput, TargetRunner
+from .tree import BRANCHING, DraftTree, best_extension, build_tree, chain_tree, depth_first, walk
+
+DRAFT_COST_WEIGHT = 0.1  # weight of the newest cycle in the running means of the drafter's cost and gain
+
+
+@dataclass
+class Outcome:
+    """What a cycle's verification decided, on the host."""
+
+    num_accepted: int
+    bonus: int
+    drafted: list[int]  # the drafts an event shows: the kept ones first
+    confidence: list[float]  # the drafter's probability of each of ``drafted``
+    target_choices: list[int]  # the target's token at each node of the shown path ([] if the rule drew none)
+    lookup_drafted: int = 0  # how many of ``drafted`` (from the first) prompt lookup guessed
+    lookup_kept: int = 0  # how many of prompt lookup's verified nodes were kept
+    kept_nodes: list[int] = field(default_factory=list)  # a tree's kept path, root first
+
+
+@dataclass(kw_only=True)
+class Draft:
+    """What every draft shape carries besides its tokens."""
+
+    drafter_ran: bool = False  # the drafter ran this cycle (it has now seen its old context)
+    lookup_only: bool = False  # prompt lookup's guess alone: the drafter did not run
+    lookup_path: list[int] = field(default_factory=list)  # verified nodes on lookup's guess, root excluded
+    lookup_match: int = 0  # the match length behind that guess (``NgramIndex.continuation``)
+    sampled: SampledDrafts | None = None  # drafts drawn from q, for a rule that reads it
+
+    @property
+    def tree_nodes(self) -> int:
+        return 0
+
+
+@dataclass(kw_only=True)
+class ChainDraft(Draft):
+    """Drafts for block slots 1..k after the anchor, verified by a plain forward of k + 1 tokens."""
+
+    anchor: int
+    tokens: torch.Tensor  # (k,) on the target's device
+    confidence: torch.Tensor  # (k,) the drafter's probability of each
+
+    def verify(self, target: TargetRunner, layer_ids: Sequence[int] | None) -> TargetOutput:
+        block = torch.cat((torch.tensor([self.anchor], device=target.device), self.tokens))
+        return target.forward(block, layer_ids)
+
+    def settle(self, verdict: Verdict) -> Outcome:
+        k = len(self.tokens)
+        head = () if verdict.num_accepted is None else (verdict.num_accepted.view(1), verdict.bonus.view(1))
+        # One host transfer for the whole cycle (token ids are exact in float32 below 2**24).
+        packed = torch.cat((*head, self.tokens, verdict.choices)).float()
+        values = torch.cat((packed, self.confidence.float())).tolist()
+        h, c = len(head), len(verdict.choices)
+        drafted = [int(v) for v in values[h : h + k]]
+        choices = [int(v) for v in values[h + k : h + k + c]]
+        if head:
+            accepted, bonus = int(values[0]), int(values[1])
+        else:  # keep drafts while they equal the target's choice
+            accepted = next((i for i, (d, t) in enumerate(zip(drafted, choices)) if d != t), k)
+            bonus = choices[accepted]
+        # A chain's lookup nodes are its first ones.
+        return Outcome(accepted, bonus, drafted, values[h + k + c :], choices, lookup_drafted=len(self.lookup_path),
+                       lookup_kept=min(len(self.lookup_path), accepted))
+
+    def commit(self, target: TargetRunner, outcome: Outcome, features: torch.Tensor | None,
+               start: int) -> torch.Tensor | None:
+        """Positions ``start..start + num_accepted`` hold the kept tokens; everything after is forgotten."""
+        target.truncate(start + outcome.num_accepted + 1)
+        return None if features is None else features[: outcome.num_accepted + 1]
+
+
+@dataclass(kw_only=True)
+class TreeDraft(Draft):
+    """A depth-first draft tree (root: the anchor), verified by the target's ``forward_tree``."""
+
+    tree: DraftTree
+
+    @property
+    def tree_nodes(self) -> int:
+        return len(self.tree) - 1
+
+    def verify(self, target: TargetRunner, layer_ids: Sequence[int] | None) -> TargetOutput:
+        return target.forward_tree(self.tree, layer_ids)
+
+    def settle(self, verdict: Verdict) -> Outcome:
+        tree = self.tree
+        choices = verdict.choices.tolist()  # the cycle's one host transfer
+        kept, bonus = walk(tree, choices)
+        shown = best_extension(tree, kept)
+        lookup = set(self.lookup_path)
+        # All three are paths from the root: what they share with the lookup's is a prefix.
+        return Outcome(len(kept) - 1, bonus, [tree.tokens[n] for n in shown[1:]],
+                       [tree.scores[n] / tree.scores[tree.parents[n]] for n in shown[1:]],
+                       [choices[n] for n in shown], lookup_drafted=len(lookup.intersection(shown[1:])),
+                       lookup_kept=len(lookup.intersection(kept)), kept_nodes=kept)
+
+    def commit(self, target: TargetRunner, outcome: Outcome, features: torch.Tensor | None,
+               start: int) -> torch.Tensor | None:
+        target.keep_path(outcome.kept_nodes)
+        return None if features is None else features[outcome.kept_nodes]
+
+
+class Proposer(Protocol):
+    def propose(self, anchor: int, start: int, size: int, started: float) -> ChainDraft | TreeDraft:
+        """Drafts to verify after ``anchor`` (at position ``start``), at most ``size - 1`` of
+        them; ``started``: when the cycle's drafting began (``Clock.now``), for adaptive cuts."""
+
+    def observe(self, draft: ChainDraft | TreeDraft, outcome: Outcome, committed: list[int],
+                features: torch.Tensor | None, start: int, draft_s: float) -> None:
+        """Learn from a settled cycle: the ``committed`` tokens, the target's ``features`` of the
+        kept positions (from ``start``), and the measured drafting time ``draft_s``."""
+
+
+def _no_drafts(anchor: int, device: torch.device) -> ChainDraft:
+    return ChainDraft(anchor=anchor, tokens=torch.empty(0, dtype=torch.long, device=device),
+                      confidence=torch.empty(0, device=device))
+
+
+class NoDrafts:
+    """The target alone: every cycle verifies the anchor and commits the target's next token."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def propose(self, anchor: int, start: int, size: int, started: float) -> ChainDraft:
+        return _no_drafts(anchor, self.device)
+
+    def observe(self, *_: object) -> None:
+        """Nothing to learn."""
+
+
+class DrafterBlock:
+    """The DFlash drafter filling a block, and the target features it has not seen yet."""
+
+    def __init__(self, drafter: DFlashDrafter, target: TargetRunner, features: torch.Tensor) -> None:
+        self.drafter, self.target = drafter, target
+        self.cache = drafter.new_cache()
+        self.context = features  # (T, F) target features of positions context_start.. not yet seen
+        self.context_start = 0
+
+    def logits(self, anchor: int, start: int, size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Drafter logits for block slots 1..size-1, (size - 1, V'), and the token id of each of
+        the V' columns (``None`` when they are the whole vocabulary in order; see
+        ``DFlashDrafter.draft_vocab``)."""
+        drafter, target = self.drafter, self.target
+        param = next(drafter.parameters())
+        block = torch.full((size,), drafter.mask_token_id, dtype=torch.long, device=target.device)
+        block[0] = anchor
+        noise = target.embed(block).to(device=param.device, dtype=param.dtype)[None]
+        block_pos = torch.arange(start, start + size, device=param.device)
+        ctx_pos = torch.arange(self.context_start, self.context_start + self.context.shape[0], device=param.device)
+        hidden = drafter(noise, block_pos, self.context.to(param.device)[None], ctx_pos, cache=self.cache)[0, 1:]
+        return drafter.draft_logits(hidden.to(device=target.device, dtype=target.lm_head_weight.dtype),
+                                    target.lm_head_weight)
+
+    def saw(self, features: torch.Tensor, start: int, ran: bool) -> None:
+        """The kept positions' features (from ``start``): the next context; when the drafter did
+        not run this cycle, added to the context it has not seen yet."""
+        if ran:  # the drafter has now seen the old context
+            self.context, self.context_start = features, start
+        else:
+            self.context = torch.cat((self.context, features))
+
+
+class ChainProposer:
+    """The drafter's block as one chain: each slot's likeliest token, or with ``samples_drafts``
+    a draw from the drafter's warped distribution (for ``pq``). With ``verify_costs``, cut to
+    the length that maximises expected tokens per second (``choose_draft_length``)."""
+
+    def __init__(self, block: DrafterBlock, sampling: Sampling, samples_drafts: bool,
+                 verify_costs: Sequence[float] | None, now: Callable[[], float]) -> None:
+        self.block, self.sampling, self.samples_drafts = block, sampling, samples_drafts
+        self.verify_costs, self.now = verify_costs, now
+
+    def propose(self, anchor: int, start: int, size: int, started: float) -> ChainDraft:
+        if size <= 1:
+            return _no_drafts(anchor, self.block.target.device)
+        logits, columns = self.block.logits(anchor, start, size)
+        probs = None
+        if self.samples_drafts:
+            probs = self.sampling.probs(logits)
+            tokens = sample(probs, self.sampling.generator)
+            confidence = probs.gather(-1, tokens[:, None])[:, 0]
+        else:
+            confidence, tokens = torch.softmax(logits.float(), -1).max(-1)
+        if columns is not None:
+            tokens = columns[tokens]
+        if self.verify_costs:
+            keep = choose_draft_length(confidence, self.verify_costs, t1_cost=self.now() - started)
+            tokens, confidence = tokens[:keep], confidence[:keep]
+            probs = None if probs is None else probs[:keep]
+        sampled = None if probs is None else SampledDrafts(tokens, probs, columns)
+        return ChainDraft(anchor=anchor, tokens=tokens, confidence=confidence, sampled=sampled, drafter_ran=True)
+
+    def observe(self, draft: ChainDraft, outcome: Outcome, committed: list[int], features: torch.Tensor | None,
+                start: int, draft_s: float) -> None:
+        self.block.saw(features, start, draft.drafter_ran)
+
+
+class TreeProposer:
+    """The drafter's likeliest continuations as a tree (``branching`` candidates per slot; 1:
+    its chain), with prompt lookup's guess grafted in when ``lookup`` is given. With
+    ``verify_costs``: the prefix of the tree that pays best (``_draft_tree``), and a confident
+    guess verified alone when running the drafter would not pay for itself (``worth_drafting``).
+    A tree that comes out as a chain is verified as one (the plain forward is cheaper)."""
+
+    def __init__(self, block: DrafterBlock, branching: int, lookup: tuple[NgramIndex, LookupStats] | None,
+                 verify_costs: Sequence[float] | None, tree_costs: tuple[float, float],
+                 now: Callable[[], float]) -> None:
+        self.block, self.branching, self.lookup = block, branching, lookup
+        self.verify_costs, self.tree_costs, self.now = verify_costs, tree_costs, now
+        # Running means, for skipping the drafter: a drafting phase's time, and the tokens the
+        # drafter adds where the guess fails at once.
+        self.draft_cost: float | None = None
+        self.drafter_gain = 1.0
+
+    def _guess(self, count: int) -> tuple[list[int], int, list[float]]:
+        """Prompt lookup's next ``count`` tokens, its match length and each token's chance."""
+        if self.lookup is None:
+            return [], 0, []
+        index, stats = self.lookup
+        guess, match = index.continuation(count)
+        return guess, match, stats.probabilities(match, len(guess))
+
+    def _guess_alone(self, anchor: int, guess: list[int], chances: list[float]) -> DraftTree | None:
+        """The guess's best prefix as a chain, when it is worth verifying without running the
+        drafter; else None."""
+        if not (self.verify_costs and guess and self.draft_cost is not None):
+            return None
+        gains = list(itertools.accumulate(chances, operator.mul))  # expected tokens kept at each depth
+        keep = best_count_and_rate(gains, self.verify_costs)[0]
+        if keep == 0 or worth_drafting(gains[:keep], self.verify_costs[keep], self.draft_cost, self.drafter_gain):
+            return None
+        return chain_tree(anchor, guess[:keep], gains[:keep])
+
+    def propose(self, anchor: int, start: int, size: int, started: float) -> ChainDraft | TreeDraft:
+        device = self.block.target.device
+        if size <= 1:
+            return _no_drafts(anchor, device)
+        guess, match, chances = self._guess(size - 1)
+        tree = self._guess_alone(anchor, guess, chances)
+        alone = tree is not None
+        if not alone:
+            logits, columns = self.block.logits(anchor, start, size)
+            tree = _draft_tree(logits, columns, anchor, size - 1, self.verify_costs, self.now() - started,
+                               self.tree_costs, self.branching, (guess, chances))
+        shared = dict(drafter_ran=not alone, lookup_only=alone, lookup_path=tree.find_path(guess), lookup_match=match)
+        if not tree.is_chain():
+            return TreeDraft(tree=tree, **shared)
+        return ChainDraft(anchor=anchor, tokens=torch.tensor(tree.tokens[1:], dtype=torch.long, device=device),
+                          confidence=torch.tensor([tree.scores[n] / tree.scores[n - 1] for n in range(1, len(tree))],
+                                                  device=device), **shared)
+
+    def observe(self, draft: ChainDraft | TreeDraft, outcome: Outcome, committed: list[int],
+                features: torch.Tensor | None, start: int, draft_s: float) -> None:
+        w = DRAFT_COST_WEIGHT
+        if draft.drafter_ran:
+            self.draft_cost = draft_s if self.draft_cost is None else (1 - w) * self.draft_cost + w * draft_s
+            if outcome.lookup_kept == 0:
+                self.drafter_gain = (1 - w) * self.drafter_gain + w * outcome.num_accepted
+        if self.lookup is not None:
+            index, stats = self.lookup
+            if draft.lookup_path:
+                stats.record(draft.lookup_match, len(draft.lookup_path), outcome.lookup_kept)
+            index.extend(committed)
+        self.block.saw(features, start, draft.drafter_ran)
+
+
+def _draft_tree(logits: torch.Tensor, columns: torch.Tensor | None, anchor: int, budget: int,
+                verify_costs: Sequence[float] | None, t1_cost: float,
+                tree_costs: tuple[float, float] = (0.0, 0.0), branching: int = BRANCHING,
+                lookup: tuple[Sequence[int], Sequence[float]] = ((), ())) -> DraftTree:
+    """The draft tree of a cycle: the ``budget`` likeliest drafts (each node branching into at
+    most ``branching`` candidates; 1: the drafter's chain), with ``lookup``'s path (tokens, the
+    chance of each) grafted in; or with ``verify_costs`` the prefix of them (best first) that
+    maximises expected tokens per second, a tree with ``P > 1`` root-to-leaf paths costing
+    ``branching + (P - 2) * per_path`` more than a chain."""
+    top_probs, top_ids = torch.softmax(logits.float(), -1).topk(min(branching, logits.shape[-1]), -1)
+    if columns is not None:
+        top_ids = columns[top_ids]
+    tree = build_tree(anchor, top_probs.tolist(), top_ids.tolist(), budget)
+    if len(lookup[0]):
+        tree = graft(tree, lookup[0], lookup[1], budget)
+    if verify_costs:
+        # Node scores never increase along the node order, and parents come first: any prefix
+        # of the nodes is a tree, and the best prefix is found like a chain's best length.
+        extra, leaves, has_child = [], 0, set()
+        for parent in tree.parents[1:]:
+            leaves += 1 if parent in has_child or not has_child else 0  # a new branch, or the first node
+            has_child.add(parent)
+            extra.append(0.0 if leaves < 2 else tree_costs[0] + tree_costs[1] * (leaves - 2))
+        keep, rate = best_count_and_rate(tree.scores[1:], verify_costs, t1_cost, extra)
+        # A prefix of the best-first order stops the chain where the first branch would come; a
+        # longer chain of top drafts may pay better than any branching.
+        chain_scores = top_probs[:, 0].cumprod(0).tolist()
+        chain_keep, chain_rate = best_count_and_rate(chain_scores, verify_costs, t1_cost)
+        if chain_rate > rate:
+            return chain_tree(anchor, top_ids[:chain_keep, 0].tolist(), chain_scores[:chain_keep])
+        keep += 1
+        tree = DraftTree(tree.tokens[:keep], tree.parents[:keep], tree.depths[:keep], tree.scores[:keep])
+    return depth_first(tree)
+
+
+def best_count_and_rate(gains: Sequence[float], verify_costs: Sequence[float], t1_cost: float = 0.0,
+                        extra_costs: Sequence[float] | None = None) -> tuple[int, float]:
+    """How many drafts to verify when the ``i``-th adds ``gains[i]`` expected tokens and ``k``
+    drafts cost ``verify_costs[k]`` (a block of ``k + 1``) plus ``t1_cost`` (plus
+    ``extra_costs[k - 1]``): the ``k`` that maximises expected tokens per second (0: verify the
+    anchor alone), and that rate."""
+    k_max = min(len(gains), len(verify_costs) - 1)
+    best_k, best_rate, expected = 0, 1.0 / (t1_cost + verify_costs[0]), 1.0
+    for k in range(1, k_max + 1):
+        expected += gains[k - 1]
+        rate = expected / (t1_cost + verify_costs[k] + (extra_costs[k - 1] if extra_costs else 0.0))
+        if rate > best_rate:
+            best_k, best_rate = k, rate
+    return best_k, best_rate
+
+
+def choose_draft_length(confidence: torch.Tensor, verify_costs: Sequence[float], t1_cost: float = 0.0) -> int:
+    """How many drafts to verify: the k that maximises expected tokens per second.
+
+    Treating the drafter's confidence ``c_i`` in slot ``i`` as the chance that the draft is kept
+    (given all before it were), verifying ``k`` drafts commits on average
+    ``1 + sum_{j<=k} prod_{i<=j} c_i`` tokens and costs ``verify_costs[k]`` (a block of ``k + 1``).
+    The drafting cost is paid whatever ``k`` is, so it only enters through ``t1_cost``.
+    """
+    k_max = min(len(confidence), len(verify_costs) - 1)
+    if k_max <= 0:
+        return 0
+    return best_count_and_rate(torch.cumprod(confidence[:k_max].float(), 0).tolist(), verify_costs, t1_cost)[0]
