@@ -1,4 +1,4 @@
-"""A generation running beside the page: the engine in a thread of its own at full speed, its
+"""A generation running beside the page: the engine on the compute thread at full speed, its
 events timestamped as they come, and the page fed at a bounded rate with only what is new.
 
 Why a thread: rendering, serialising and sending updates (and the browser laying them out) share
@@ -18,6 +18,7 @@ import threading
 import time
 from typing import Any, Callable
 
+from dflash_core import compute
 from dflash_core.speculative import CycleEvent, GenerationConfig
 
 # Page updates while a run is going (each may carry several cycles). Every update costs the
@@ -37,14 +38,19 @@ class BackgroundRun:
         self._taken = 0
         self._guard = threading.Lock()
         self._abandoned = threading.Event()
+        self._began = threading.Event()
         self.done = threading.Event()
         self.error: BaseException | None = None
-        self.started = time.perf_counter()
+        self.started = 0.0
         self._stream = engine.stream_ids(prompt_ids, config, should_stop=should_stop)
-        self._thread = threading.Thread(target=self._run, daemon=True, name="dflash-run")
-        self._thread.start()
+        # On the process's one compute thread (dflash_core.compute), where the CLI's speed is;
+        # the run's clock starts when it starts there, not while it waits for its turn.
+        compute.submit(self._run)
+        self._began.wait()
 
     def _run(self) -> None:
+        self.started = time.perf_counter()
+        self._began.set()
         try:
             for event in self._stream:
                 with self._guard:
@@ -70,7 +76,7 @@ class BackgroundRun:
     def abandon(self, timeout: float = 30.0) -> None:
         """The consumer went away (a closed tab, a dropped client): end after the current cycle."""
         self._abandoned.set()
-        self._thread.join(timeout)
+        self.done.wait(timeout)
 
 
 def batches(run: BackgroundRun, per_s: float = UPDATES_PER_S):

@@ -8,6 +8,7 @@ import threading
 import time
 from typing import Callable
 
+from dflash_core import compute
 from dflash_core.engine import Engine
 from dflash_core.errors import DFlashError, DeviceUnavailableError, ModelLoadError
 from dflash_core.loading import device_problem, load_pair
@@ -112,11 +113,11 @@ class StudioService:
 
         started = time.time()
         try:
-            engine = Engine(load_pair(pair, report))
+            engine = compute.call(lambda: Engine(load_pair(pair, report)))
             loaded = time.time() - started
             if self.warm_up:
                 report("warming up (the first runs of a fresh process are slower; calibrating adaptive verification)")
-                engine.warm_up()
+                compute.call(engine.warm_up)
             self.status[name] = f"ready (loaded in {loaded:.1f} s, warmed up in {time.time() - started - loaded:.1f} s)"
             with self._guard:
                 self._engines[name] = engine

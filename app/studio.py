@@ -19,6 +19,7 @@ from typing import Any, Iterator
 
 import gradio as gr
 
+from dflash_core import compute
 from dflash_core.errors import DFlashError
 from dflash_core.prompting import max_new_tokens_limit
 from dflash_core.request import Request, dflash_variant
@@ -279,14 +280,12 @@ class Studio:
                     engine = item
             resolved = engine.resolve(self.request(prompt, block, 0.0, max_new, None))
             ids, cfg = resolved.prompt_ids, resolved.config
-            dflash = RunRecord("dflash")
-            for event in engine.stream_ids(ids, cfg):
-                dflash.add(event, engine.tokenizer)
             # A short autoregressive run measures t_AR, the cost of one plain decoding step.
             ar_cfg = engine.resolve(Request(prompt, variant="ar", max_new_tokens=min(32, cfg.max_new_tokens))).config
-            ar = RunRecord("ar")
-            for event in engine.stream_ids(ids, ar_cfg):
-                ar.add(event, engine.tokenizer)
+            dflash, ar = RunRecord("dflash"), RunRecord("ar")
+            for record, config in ((dflash, cfg), (ar, ar_cfg)):
+                for event in compute.iterate(engine.stream_ids(ids, config)):
+                    record.add(event, engine.tokenizer)
         except DFlashError as exc:
             return None, f"⚠️ {exc}", "", ""
         # The mask slots are shown as MASK: the id is a token the drafter's training reserved,

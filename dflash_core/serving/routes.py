@@ -29,6 +29,7 @@ from fastapi import APIRouter, FastAPI, Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .. import compute
 from ..engine import Engine
 from ..errors import DFlashError
 from ..loading import device_problem
@@ -207,7 +208,7 @@ async def _whole(http: HttpRequest, engine: Engine, resolved: Resolved, request:
 
         watcher = asyncio.create_task(watch())
         try:
-            text = await anyio.to_thread.run_sync(generation.run)
+            text = await anyio.to_thread.run_sync(compute.call, generation.run)
         finally:
             watcher.cancel()
             generation.close()
@@ -230,7 +231,7 @@ async def _stream(engine: Engine, resolved: Resolved, request: protocol.Request,
             while generation.finish_reason is None:
                 # A cancellation (the client left) waits for this cycle to finish in its thread,
                 # then lands here: the ``finally`` below frees the engine.
-                delta = await anyio.to_thread.run_sync(generation.step)
+                delta = await anyio.to_thread.run_sync(compute.call, generation.step)
                 if delta:
                     yield _sse(protocol.chunk(request, rid, created, delta))
             yield _sse(protocol.chunk(request, rid, created, None, generation.finish_reason))
