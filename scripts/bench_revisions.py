@@ -48,6 +48,7 @@ def main() -> int:
     parser.add_argument("bench_args", nargs=argparse.REMAINDER, help="after --: the bench's own arguments")
     opts = parser.parse_args()
     args = [a for a in opts.bench_args if a != "--"]
+    opts.out = opts.out.resolve()  # each bench runs from its own tree
     with tempfile.TemporaryDirectory() as tmp:
         base_tree = Path(tmp) / "base"
         subprocess.run(["git", "worktree", "add", "--detach", str(base_tree), opts.base], cwd=ROOT, check=True,
