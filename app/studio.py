@@ -283,9 +283,13 @@ class Studio:
             # A short autoregressive run measures t_AR, the cost of one plain decoding step.
             ar_cfg = engine.resolve(Request(prompt, variant="ar", max_new_tokens=min(32, cfg.max_new_tokens))).config
             dflash, ar = RunRecord("dflash"), RunRecord("ar")
-            for record, config in ((dflash, cfg), (ar, ar_cfg)):
-                for event in compute.iterate(engine.stream_ids(ids, config)):
-                    record.add(event, engine.tokenizer)
+
+            def record_runs() -> None:
+                for record, config in ((dflash, cfg), (ar, ar_cfg)):
+                    for event in engine.stream_ids(ids, config):
+                        record.add(event, engine.tokenizer)
+
+            compute.call(record_runs)
         except DFlashError as exc:
             return None, f"⚠️ {exc}", "", ""
         # The mask slots are shown as MASK: the id is a token the drafter's training reserved,

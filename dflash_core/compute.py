@@ -8,32 +8,24 @@ threads live long: the first model call from each would add a pool and slow ever
 whichever thread runs it (docs/BENCHMARKS.md has the measurement). Running every model call here
 keeps one pool, as a command-line run in its main thread has.
 
-``call`` runs a function on the compute thread and returns its result; ``iterate`` drives a
-generator there one item at a time. Both run inline when already on the compute thread, so code
-that calls the engine needs no care about where it is called from.
+``call`` runs a function on the compute thread and returns its result (inline when already
+there); ``submit`` queues one without waiting.
 """
 
 from __future__ import annotations
 
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, Callable, TypeVar
 
 T = TypeVar("T")
 
 _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-compute")
-_ident: list[int] = []
-
-
-def _remember_thread() -> None:
-    _ident.append(threading.get_ident())
-
-
-_executor.submit(_remember_thread).result()
+_compute_thread = _executor.submit(threading.get_ident).result()
 
 
 def on_compute_thread() -> bool:
-    return threading.get_ident() == _ident[0]
+    return threading.get_ident() == _compute_thread
 
 
 def submit(fn: Callable[..., T], *args: Any, **kwargs: Any) -> Future:
@@ -48,20 +40,3 @@ def call(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         return fn(*args, **kwargs)
     return _executor.submit(fn, *args, **kwargs).result()
 
-
-_DONE = object()
-
-
-def iterate(items: Iterator[T]) -> Iterator[T]:
-    """``items``, each ``next`` computed on the compute thread; closing this closes ``items``
-    there (a generator's cleanup may free the engine)."""
-    try:
-        while True:
-            item = call(next, items, _DONE)
-            if item is _DONE:
-                return
-            yield item
-    finally:
-        close = getattr(items, "close", None)
-        if close is not None:
-            call(close)

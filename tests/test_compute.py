@@ -28,24 +28,6 @@ def test_calls_from_any_thread_run_on_one_compute_thread_and_raise_there_errors_
     assert compute.call(lambda: compute.call(threading.get_ident)) == compute_ident()
 
 
-def test_iterate_runs_each_step_on_the_compute_thread_and_closes_there():
-    where, closed = [], []
-
-    def steps():
-        try:
-            for i in range(5):
-                where.append(threading.get_ident())
-                yield i
-        finally:
-            closed.append(threading.get_ident())
-
-    items = compute.iterate(steps())
-    assert [next(items), next(items)] == [0, 1]
-    items.close()  # left early: the generator is closed on the compute thread too
-    assert set(where) == set(closed) == {compute_ident()}
-    assert list(compute.iterate(iter(range(3)))) == [0, 1, 2]
-
-
 class RecordingEngine:
     """What BackgroundRun asks of an engine, recording the thread each cycle is computed on."""
 
