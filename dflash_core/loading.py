@@ -173,6 +173,7 @@ def load_target(
     quantization: str | None = None,
     engine: str = "auto",
     progress: Progress | None = None,
+    weights: str = "bf16",
 ) -> LoadedTarget:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -207,11 +208,29 @@ def load_target(
         raise ModelLoadError(f"could not load target {source.describe()}: {exc}{hint}") from exc
     model.eval()
     model.requires_grad_(False)
-    runner = make_runner(model, engine)
+    runner = make_runner(model, engine, weights, _q4_blocks(source, model, weights, progress))
+    if weights != "bf16":
+        _say(progress, f"Target weights: {getattr(runner, 'weight_note', 'bf16 (this engine has no weight-only kernels)')}")
     if getattr(runner, "batch_invariant", None) is False:
         _say(progress, "This CPU's kernels round a position by the size of its pass: greedy DFlash "
                        "matches the target's own greedy output within rounding, not bit for bit")
     return LoadedTarget(model=model, tokenizer=tokenizer, runner=runner, source=source, name=source.describe())
+
+
+def _q4_blocks(source: ModelSource, model: Any, weights: str, progress: Progress | None) -> dict | None:
+    """The GGUF's own Q4_1 codes for an int4 target read from a GGUF (None otherwise, or when they
+    cannot be read: the loaded weights are then quantized instead)."""
+    if weights != "int4" or source.kind != "gguf" or getattr(model.config, "model_type", "") not in ("llama", "mistral"):
+        return None
+    from .weight_formats import q4_1_blocks
+
+    cfg = model.config
+    try:
+        return q4_1_blocks(resolve_gguf(source), int(cfg.num_attention_heads),
+                           int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads))
+    except Exception as exc:  # noqa: BLE001 - gguf missing or a file it cannot read: quantize instead
+        _say(progress, f"Could not read the GGUF's Q4_1 blocks ({exc}); quantizing the loaded weights instead")
+        return None
 
 
 # ----------------------------------------------------------------------------------------- drafter
@@ -305,7 +324,8 @@ class LoadedPair:
 
 
 def load_pair(pair: ModelPair, progress: Progress | None = None) -> LoadedPair:
-    target = load_target(pair.target, pair.dtype, pair.target_device, pair.quantization, pair.engine, progress)
+    target = load_target(pair.target, pair.dtype, pair.target_device, pair.quantization, pair.engine, progress,
+                         weights=pair.weights)
     drafter = load_drafter(pair.drafter, target, pair.dtype, pair.drafter_device, progress)
     _say(progress, "Models ready")
     return LoadedPair(pair=pair, target=target, drafter=drafter)

@@ -32,6 +32,7 @@ SourceKind = Literal["hub", "path", "gguf", "random"]
 
 DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZATIONS = ("4bit", "8bit")
+WEIGHT_FORMATS = ("bf16", "int8", "int4")  # weight_formats.WEIGHT_FORMATS (kept here: this module imports no torch)
 PAIR_KEYS = {
     "description": "free text shown in the UI and `pairs`",
     "target": "{ hub = ID } | { path = DIR_OR_GGUF } | { package = DIST, gguf_file = PATH_IN_DIST }",
@@ -43,6 +44,8 @@ PAIR_KEYS = {
     "drafter_device": "cpu | cuda | cuda:N",
     "quantization": " | ".join(QUANTIZATIONS) + " (target only, bitsandbytes)",
     "engine": "auto | fast | hf (auto: our static-cache engine when the target's family allows it)",
+    "weights": " | ".join(WEIGHT_FORMATS) + " (default bf16): how the fast engine reads the target's layer weights "
+               "on CPU; int4/int8 run weight-only kernels where a probe finds them exact per row, else bf16",
     "enable_thinking": "true | false: the chat template's thinking switch (default: the template's own); "
                        "set it to what the drafter was trained with",
     "gpu_memory_gb": "number > 0: GPU memory the pair needs, in GiB (target + drafter weights and working memory)",
@@ -89,6 +92,7 @@ class ModelPair:
     # was trained with (z-lab's Qwen3 b16 drafters: no thinking).
     enable_thinking: bool | None = None
     gpu_memory_gb: float | None = None  # what the pair needs on the GPU(s), for refusing where it cannot fit
+    weights: str = "bf16"  # WEIGHT_FORMATS: the fast engine's weight-only kernels for the target's layers
 
     @property
     def needs_cuda(self) -> bool:
@@ -196,6 +200,10 @@ def _parse_pair(name: str, entry: Any, file: Path) -> ModelPair:
     if engine not in ENGINES:
         raise RegistryError(f"{where}: engine = {engine!r}; allowed: {', '.join(ENGINES)}")
 
+    weights = entry.get("weights", "bf16")
+    if weights not in WEIGHT_FORMATS:
+        raise RegistryError(f"{where}: weights = {weights!r}; allowed: {', '.join(WEIGHT_FORMATS)}")
+
     description = entry.get("description", "")
     if not isinstance(description, str):
         raise RegistryError(f"{where}: description must be a string")
@@ -223,6 +231,7 @@ def _parse_pair(name: str, entry: Any, file: Path) -> ModelPair:
         engine=engine,
         enable_thinking=enable_thinking,
         gpu_memory_gb=float(gpu_memory_gb) if gpu_memory_gb is not None else None,
+        weights=weights,
     )
 
 

@@ -39,6 +39,7 @@ from .kv_cache import KVCache, round_capacity
 from .rollback import CacheRollback
 from .tree import DraftTree
 from .tree_attention import TreeAttention
+from .weight_formats import WEIGHT_FORMATS, quantized_layers
 
 PREFILL_CHUNK = 512  # longest slice of a prompt FastTarget processes at once
 # Fewest rows per pass FastTarget tries (see FastTarget._probe_min_rows): a lone row always takes
@@ -203,10 +204,12 @@ class FastTarget:
     are the per-layer interface the batched decoder of the training data shares
     (``training/batched_decode.py``): the same weights and math over its own cache."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, weights: str = "bf16", q4_blocks: dict | None = None) -> None:
         reason = fast_path_reason(model)
         if reason:
             raise ValueError(f"FastTarget cannot run this model: {reason}")
+        if weights not in WEIGHT_FORMATS:
+            raise ValueError(f"weights = {weights!r}; allowed: {', '.join(WEIGHT_FORMATS)}")
         cfg = model.config
         self.config = cfg
         self.num_layers = int(cfg.num_hidden_layers)
@@ -218,21 +221,37 @@ class FastTarget:
         self.head_dim = int(getattr(cfg, "head_dim", None) or self.hidden_size // self.num_heads)
         self.eps = float(cfg.rms_norm_eps)
         self.scale = self.head_dim**-0.5
-        weights = ADAPTERS[cfg.model_type].fuse(model)
-        self.embed_weight = weights.embed
+        fused = ADAPTERS[cfg.model_type].fuse(model)
+        self.embed_weight = fused.embed
         self.device = self.embed_weight.device
         self.dtype = self.embed_weight.dtype
-        self._lm_head = weights.lm_head
-        self.final_norm = weights.final_norm
-        self.rotary = weights.rotary
-        self.layers = weights.layers
+        self._lm_head = fused.lm_head
+        self.final_norm = fused.final_norm
+        self.rotary = fused.rotary
+        self.layers = fused.layers
         self.cache = KVCache(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype, self.device)
         self.cos = self.sin = None  # rope_tables for the cache's capacity
         self._tree_attention = TreeAttention(self)
+        # The format the layers' weights are read in (``weights``; see weight_formats.py), and why
+        # it is not the one asked for where the kernels do not allow it here.
+        self.weight_format, self.weight_note = "bf16", "bf16"
+        bf16_layers = self.layers
+        if weights != "bf16":
+            layers, note = quantized_layers(self.layers, weights, self.dtype, q4_blocks)
+            if layers is None:
+                self.weight_note = f"asked for {weights}, running bf16: {note}"
+            else:
+                self.layers, self.weight_format, self.weight_note = layers, weights, note
         # Fewest rows a forward runs with (see forward), and whether that makes every position's
         # numbers independent of how many rows share its pass: decided by a probe on this
         # machine's kernels, never assumed (they differ between CPUs and dtypes).
         self.min_rows, self.batch_invariant = self._probe_min_rows()
+        if self.weight_format != "bf16" and not self.batch_invariant:
+            asked = self.weight_format
+            self.layers, self.weight_format = bf16_layers, "bf16"
+            self.min_rows, self.batch_invariant = self._probe_min_rows()
+            self.weight_note = (f"asked for {asked}, running bf16: with {asked} kernels no padding made a position's "
+                                "logits independent of the size of its pass on this CPU")
 
     def _probe_min_rows(self) -> tuple[int, bool]:
         """The fewest rows per pass (from ``MIN_ROWS_CANDIDATES``) with which decoding a sequence
@@ -399,13 +418,18 @@ class FastTarget:
         self._tree_attention.keep_path(nodes)
 
 
-def make_runner(model: torch.nn.Module, engine: str = "auto") -> TargetRunner:
-    """``FastTarget`` when the model allows it (``engine='auto'|'fast'``), else ``HFTarget``."""
+def make_runner(model: torch.nn.Module, engine: str = "auto", weights: str = "bf16",
+                q4_blocks: dict | None = None) -> TargetRunner:
+    """``FastTarget`` when the model allows it (``engine='auto'|'fast'``), else ``HFTarget``.
+    ``weights`` (``weight_formats.WEIGHT_FORMATS``) applies to ``FastTarget`` only: the runner's
+    ``weight_format`` / ``weight_note`` say what runs."""
+    if weights not in WEIGHT_FORMATS:
+        raise ValueError(f"weights = {weights!r}; allowed: {', '.join(WEIGHT_FORMATS)}")
     if engine == "hf":
         return HFTarget(model)
     reason = fast_path_reason(model)
     if reason is None:
-        return FastTarget(model)
+        return FastTarget(model, weights, q4_blocks)
     if engine == "fast":
         raise ValueError(f"engine='fast' cannot run this target: {reason}; use engine='hf' or 'auto'")
     return HFTarget(model)

@@ -1,0 +1,254 @@
+"""Weight-only int8 / int4 linear layers for the target on CPU, used only where exact per row.
+
+Decoding a small model on a CPU is bound by reading its weights; reading them in fewer bytes
+(int4: ~0.56 byte per weight with its group scales, int8: 1 byte, against bf16's 2) is the lever
+llama.cpp pulls. PyTorch ships weight-only kernels for both:
+
+* ``int4``: ``aten._weight_int4pack_mm_for_cpu`` ("tinygemm" layout), groups of 32 along the
+  input dimension, ``w = (q - 8) * scale + zero`` with ``q`` in 0..15 and ``scale`` / ``zero`` in
+  the activations' dtype. A GGUF ``Q4_1`` block is ``w = d * q + m`` (groups of 32, ``d`` and
+  ``m`` in fp16), so ``scale = d`` and ``zero = m + 8 d`` run the file's own 4-bit codes
+  (``q4_1_blocks``); the only rounding left is that of ``d`` and ``zero`` to bf16.
+* ``int8``: ``aten._weight_int8pack_mm``, one scale per output channel: a requantization of the
+  (dequantized) weight, not the file's numbers.
+
+Losslessness rests on batch invariance (see ``target.py``): a format is only used after
+``row_invariant`` shows that, on this machine, a row's result does not depend on how many rows
+share the call; otherwise the caller keeps its bf16 linear (``QuantizedLinear.build`` says why).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+WEIGHT_FORMATS = ("bf16", "int8", "int4")
+GROUP = 32  # Q4_1's block, and the int4 kernel's group size we use
+# Row counts the probe compares: the decoder's minimum, odd, a block, a long prefill slice (as in
+# kernels.py); a lone row is left out: FastTarget never runs fewer than two rows.
+PROBE_ROWS = (2, 3, 16, 37)
+
+
+def _has(op: str) -> bool:
+    return hasattr(torch.ops.aten, op)
+
+
+def kernel_available(fmt: str) -> bool:
+    if fmt == "int4":
+        return _has("_weight_int4pack_mm_for_cpu") and _has("_convert_weight_to_int4pack_for_cpu")
+    if fmt == "int8":
+        return _has("_weight_int8pack_mm")
+    return fmt == "bf16"
+
+
+# ------------------------------------------------------------------------------------ GGUF Q4_1
+@dataclass
+class Q4Blocks:
+    """One matrix's 4-bit codes and group parameters: ``w[n, k] = d[n, k // 32] * q[n, k] + m[n, k // 32]``."""
+
+    q: torch.Tensor  # (N, K) int32, 0..15
+    d: torch.Tensor  # (N, K / 32) float32 (fp16 values)
+    m: torch.Tensor  # (N, K / 32) float32 (fp16 values)
+
+    def dequantize(self) -> torch.Tensor:
+        n, k = self.q.shape
+        w = self.q.float().view(n, k // GROUP, GROUP) * self.d[..., None] + self.m[..., None]
+        return w.view(n, k)
+
+    def permute_rows(self, order: torch.Tensor) -> "Q4Blocks":
+        return Q4Blocks(self.q[order], self.d[order], self.m[order])
+
+    @staticmethod
+    def cat(parts: list["Q4Blocks"]) -> "Q4Blocks":
+        return Q4Blocks(*(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "d", "m")))
+
+
+def _unpack_q4_1(raw: np.ndarray, rows: int, cols: int) -> Q4Blocks:
+    blocks = raw.reshape(rows * cols // GROUP, 20)
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32).reshape(rows, cols // GROUP)
+    m = blocks[:, 2:4].copy().view(np.float16).astype(np.float32).reshape(rows, cols // GROUP)
+    qs = blocks[:, 4:]  # byte j holds element j (low nibble) and element j + 16 (high nibble)
+    q = np.concatenate((qs & 0x0F, qs >> 4), axis=1).astype(np.int32).reshape(rows, cols)
+    return Q4Blocks(torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(m))
+
+
+def _rope_unpermute(rows: int, heads: int) -> torch.Tensor:
+    """The row order that undoes llama.cpp's rotary permutation of q/k (as transformers does)."""
+    dim = rows // heads // 2
+    return torch.arange(rows).view(heads, dim, 2).transpose(1, 2).reshape(rows)
+
+
+def q4_1_blocks(gguf_path: str | Path, num_heads: int, num_kv_heads: int) -> dict[str, Q4Blocks]:
+    """The Q4_1 matrices of a llama-family GGUF, keyed by transformers' module names
+    (``model.layers.3.self_attn.q_proj``), rows in transformers' order. Other tensor types
+    (the Q8_0 embedding, norms) are left out."""
+    import gguf
+
+    names = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+             "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+             "ffn_down": "mlp.down_proj"}
+    out: dict[str, Q4Blocks] = {}
+    for tensor in gguf.GGUFReader(str(gguf_path)).tensors:
+        parts = tensor.name.split(".")
+        if tensor.tensor_type != gguf.GGMLQuantizationType.Q4_1 or len(parts) != 4 or parts[0] != "blk":
+            continue
+        if parts[2] not in names:
+            continue
+        cols, rows = (int(s) for s in tensor.shape)  # GGUF lists the fastest dimension first
+        blocks = _unpack_q4_1(np.asarray(tensor.data), rows, cols)
+        if parts[2] == "attn_q":
+            blocks = blocks.permute_rows(_rope_unpermute(rows, num_heads))
+        elif parts[2] == "attn_k":
+            blocks = blocks.permute_rows(_rope_unpermute(rows, num_kv_heads))
+        out[f"model.layers.{parts[1]}.{names[parts[2]]}"] = blocks
+    return out
+
+
+# ----------------------------------------------------------------------------------- the kernels
+class Int4Weight:
+    """``x @ w.T`` through ``_weight_int4pack_mm_for_cpu`` for bf16 ``x`` (groups of 32)."""
+
+    fmt = "int4"
+
+    def __init__(self, blocks: Q4Blocks, dtype: torch.dtype = torch.bfloat16) -> None:
+        n, k = blocks.q.shape
+        self.shape = (n, k)
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(blocks.q.contiguous(), 1)
+        zero = blocks.m + 8 * blocks.d
+        self.scales_zeros = torch.stack((blocks.d, zero), dim=-1).transpose(0, 1).contiguous().to(dtype)
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor) -> "Int4Weight":
+        """Asymmetric 4-bit groups of 32 (min/max), for a weight that has no file blocks."""
+        return cls(quantize_q4(weight.float()), weight.dtype)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_zeros)
+
+
+class Int8Weight:
+    """``x @ w.T`` through ``_weight_int8pack_mm``: symmetric int8, one scale per output channel."""
+
+    fmt = "int8"
+
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> None:
+        w = weight.float()
+        scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127
+        self.shape = tuple(weight.shape)
+        self.q = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous()
+        self.scales = scale.to(dtype)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x, self.q, self.scales)
+
+
+def quantize_q4(weight: torch.Tensor) -> Q4Blocks:
+    """Q4_1-style asymmetric quantization (groups of 32 along the input dimension)."""
+    n, k = weight.shape
+    w = weight.view(n, k // GROUP, GROUP)
+    lo, hi = w.amin(-1), w.amax(-1)
+    d = ((hi - lo) / 15).clamp_min(1e-8)
+    q = ((w - lo[..., None]) / d[..., None]).round().clamp(0, 15).to(torch.int32).view(n, k)
+    return Q4Blocks(q, d, lo)
+
+
+def row_invariant(kernel, in_features: int, dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether ``kernel``'s rows are bit-identical whatever the number of rows in the call."""
+    generator = torch.Generator().manual_seed(0)
+    probe = torch.randn(max(PROBE_ROWS), in_features, generator=generator).to(dtype)
+    reference = kernel(probe)
+    return all(torch.equal(kernel(probe[:rows]), reference[:rows]) for rows in PROBE_ROWS)
+
+
+def supported_shape(fmt: str, weight_shape: tuple[int, ...]) -> str | None:
+    n, k = weight_shape
+    if fmt == "int4" and (k % GROUP or n % 8):
+        return f"int4 needs in_features % {GROUP} == 0 and out_features % 8 == 0, not {n}x{k}"
+    return None
+
+
+class QuantizedLinear:
+    """A weight-only kernel (``Int4Weight`` / ``Int8Weight``) with an optional bias, called like
+    ``kernels.Linear`` on ``(..., in_features)``."""
+
+    def __init__(self, kernel, bias: torch.Tensor | None = None) -> None:
+        self.kernel = kernel
+        self.bias = bias
+        self.out_features, self.in_features = kernel.shape
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.kernel(x.reshape(-1, self.in_features)).view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+# The fused matrices FastTarget runs per layer (families.FusedLayer's fields), and the modules
+# (transformers' names under ``model.layers.N``) each one concatenates.
+FUSED = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o": ("self_attn.o_proj",),
+         "gate_up": ("mlp.gate_proj", "mlp.up_proj"), "down": ("mlp.down_proj",)}
+
+
+def quantized_layers(layers: list, fmt: str, dtype: torch.dtype, q4_blocks: dict[str, Q4Blocks] | None = None
+                     ) -> tuple[list | None, str]:
+    """``layers`` (``families.FusedLayer``) with their four projections run by ``fmt``'s kernel,
+    and a note on where the weights came from; ``(None, why not)`` when the kernel is missing,
+    does not fit a shape, or gives a row numbers that depend on how many rows share its call.
+
+    int4 takes a GGUF's own Q4_1 codes (``q4_blocks``, from ``q4_1_blocks``) where every fused
+    matrix has them, and otherwise quantizes the loaded weights (groups of 32, min/max)."""
+    import dataclasses
+
+    if fmt not in WEIGHT_FORMATS:
+        raise ValueError(f"weights = {fmt!r}; allowed: {', '.join(WEIGHT_FORMATS)}")
+    if fmt == "bf16":
+        return layers, "bf16"
+    if not kernel_available(fmt):
+        return None, f"this PyTorch ({torch.__version__}) has no {fmt} weight-only CPU kernel"
+    devices = {lin.weight.device.type for layer in layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)}
+    if devices != {"cpu"}:
+        return None, f"the {fmt} weight-only kernels run on CPU only (weights on {', '.join(sorted(devices))})"
+    from_file = fmt == "int4" and q4_blocks is not None and all(
+        f"model.layers.{i}.{name}" in q4_blocks for i in range(len(layers)) for names in FUSED.values() for name in names)
+    if from_file:
+        # The blocks must be the loaded model's weights (same rows, same order), to its dtype's rounding.
+        for field in ("qkv", "gate_up"):
+            blocks = Q4Blocks.cat([q4_blocks[f"model.layers.0.{name}"] for name in FUSED[field]])
+            weight = getattr(layers[0], field).weight
+            if blocks.q.shape != weight.shape or not torch.equal(blocks.dequantize().to(weight.dtype), weight):
+                from_file = False
+    out, checked = [], {}
+    for i, layer in enumerate(layers):
+        replaced = {}
+        for field, names in FUSED.items():
+            linear = getattr(layer, field)
+            problem = supported_shape(fmt, tuple(linear.weight.shape))
+            if problem:
+                return None, problem
+            if fmt == "int8":
+                kernel = Int8Weight(linear.weight, dtype)
+            elif from_file:
+                blocks = Q4Blocks.cat([q4_blocks[f"model.layers.{i}.{name}"] for name in names])
+                if tuple(blocks.q.shape) != tuple(linear.weight.shape):
+                    return None, f"the GGUF's Q4_1 blocks for layer {i} {field} are {tuple(blocks.q.shape)}, the model's weight {tuple(linear.weight.shape)}"
+                kernel = Int4Weight(blocks, dtype)
+            else:
+                kernel = Int4Weight(quantize_q4(linear.weight.float()), dtype)
+            # Kernels pick their code path by shape and row count, not by values: one probe per shape.
+            shape = tuple(linear.weight.shape)
+            if shape not in checked:
+                checked[shape] = row_invariant(kernel, shape[1], dtype)
+            if not checked[shape]:
+                return None, (f"the {fmt} kernel gives a row different numbers depending on how many rows share "
+                              f"the call on this CPU ({shape[0]}x{shape[1]})")
+            replaced[field] = QuantizedLinear(kernel, linear.bias)
+        out.append(dataclasses.replace(layer, **replaced))
+    if fmt == "int8":
+        note = "int8, one scale per output channel (requantized from the loaded weights)"
+    elif from_file:
+        note = "int4 from the GGUF's own Q4_1 blocks (scales and zeros in bf16)"
+    else:
+        note = "int4, groups of 32 (requantized from the loaded weights)"
+    return out, note

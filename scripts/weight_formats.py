@@ -1,0 +1,138 @@
+"""Feasibility of weight-only int8 / int4 kernels for the target's linear layers on this CPU.
+
+For SmolLM2-135M's 30 layers (fused QKV, O, fused gate/up, down: the matrices FastTarget runs),
+times one pass over all 120 matrices for 2, 16 and 32 rows in each weight format, interleaved
+(every round runs every format in a rotated order), and reports medians; then checks, per format,
+batch invariance (a row's result equal bit for bit for 2 / 3 / 16 / 37 rows) and the distance to
+the exact result (fp32 math on the GGUF's exact dequantized weights). Also measures memory
+read bandwidth, for the bytes-per-step limit.
+
+    /tmp/quiet.sh python scripts/weight_formats.py [--rounds 15]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from dflash_core.kernels import Linear  # noqa: E402
+from dflash_core.loading import resolve_gguf  # noqa: E402
+from dflash_core.registry import load_registry  # noqa: E402
+from dflash_core.weight_formats import PROBE_ROWS, Int4Weight, Int8Weight, Q4Blocks, q4_1_blocks  # noqa: E402
+
+
+def fused_blocks(blocks: dict[str, Q4Blocks], layers: int) -> list[list[Q4Blocks]]:
+    out = []
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        out.append([
+            Q4Blocks.cat([blocks[p + f"self_attn.{n}_proj"] for n in "qkv"]),
+            blocks[p + "self_attn.o_proj"],
+            Q4Blocks.cat([blocks[p + "mlp.gate_proj"], blocks[p + "mlp.up_proj"]]),
+            blocks[p + "mlp.down_proj"],
+        ])
+    return out
+
+
+def bandwidth() -> tuple[float, float]:
+    """GB/s reading (a sum of 512 MB of fp32) and copying (256 MB -> 256 MB), best of 5."""
+    x = torch.ones(128 << 20)  # 512 MB
+    y = torch.empty(64 << 20)
+    src = x[: 64 << 20]
+    read, copy = [], []
+    for _ in range(5):
+        t = time.perf_counter(); x.sum(); read.append(time.perf_counter() - t)
+        t = time.perf_counter(); y.copy_(src); copy.append(time.perf_counter() - t)
+    return x.numel() * 4 / min(read) / 1e9, 2 * y.numel() * 4 / min(copy) / 1e9
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--rows", default="2,16,32")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    pair = load_registry().get("smollm2-135m")
+    gguf = resolve_gguf(pair.target)
+    t0 = time.perf_counter()
+    mats = fused_blocks(q4_1_blocks(gguf, 9, 3), 30)
+    print(f"read {len(mats) * 4} fused Q4_1 matrices from {gguf.name} in {time.perf_counter() - t0:.1f} s")
+    exact = [[b.dequantize() for b in layer] for layer in mats]  # fp32, the file's numbers
+    bf16 = [[w.bfloat16().contiguous() for w in layer] for layer in exact]
+    formats = {
+        "bf16 F.linear": [[(lambda x, w=w: F.linear(x, w)) for w in layer] for layer in bf16],
+        "bf16 oneDNN packed": [[Linear(w) for w in layer] for layer in bf16],
+        "int8 per-channel": [[Int8Weight(w) for w in layer] for layer in exact],
+        "int4 Q4_1 blocks": [[Int4Weight(b) for b in layer] for layer in mats],
+    }
+    packed_active = all(lin.packed is not None for layer in formats["bf16 oneDNN packed"] for lin in layer)
+    nbytes = {
+        "bf16 F.linear": sum(w.numel() * 2 for layer in bf16 for w in layer),
+        "int8 per-channel": sum(k.q.numel() + k.scales.numel() * 2 for layer in formats["int8 per-channel"] for k in layer),
+        "int4 Q4_1 blocks": sum(k.packed.numel() + k.scales_zeros.numel() * 2 for layer in formats["int4 Q4_1 blocks"] for k in layer),
+    }
+    nbytes["bf16 oneDNN packed"] = nbytes["bf16 F.linear"]
+    print(f"oneDNN packing active: {packed_active}; threads: {torch.get_num_threads()}")
+
+    row_counts = [int(r) for r in args.rows.split(",")]
+    inputs = {r: [torch.randn(r, w.shape[1]).bfloat16() for w in bf16[0]] for r in row_counts}
+
+    def one_pass(kernels, xs):
+        for layer in kernels:
+            for kernel, x in zip(layer, xs):
+                kernel(x)
+
+    names = list(formats)
+    times = {(n, r): [] for n in names for r in row_counts}
+    with torch.inference_mode():
+        for n in names:  # warm-up
+            for r in row_counts:
+                one_pass(formats[n], inputs[r])
+        for round_ in range(args.rounds):
+            order = names[round_ % len(names):] + names[: round_ % len(names)]
+            for r in row_counts:
+                for n in order:
+                    t = time.perf_counter()
+                    one_pass(formats[n], inputs[r])
+                    times[(n, r)].append(time.perf_counter() - t)
+
+        # Batch invariance and closeness, on every fused matrix of layers 0, 15 and 29.
+        invariant = {n: True for n in names}
+        lone_row = {n: True for n in names}
+        err = {n: [] for n in names}
+        for li in (0, 15, 29):
+            for mi, w in enumerate(exact[li]):
+                probe = torch.randn(max(PROBE_ROWS), w.shape[1]).bfloat16()
+                truth = probe.float() @ w.T
+                for n in names:
+                    kernel = formats[n][li][mi]
+                    ref = kernel(probe)
+                    invariant[n] &= all(torch.equal(kernel(probe[:r]), ref[:r]) for r in PROBE_ROWS)
+                    lone_row[n] &= torch.equal(kernel(probe[:1]), ref[:1])
+                    err[n].append(((ref.float() - truth).norm() / truth.norm()).item())
+
+    read_bw, copy_bw = bandwidth()
+    print(f"memory bandwidth: read {read_bw:.1f} GB/s (fp32 sum), copy {copy_bw:.1f} GB/s (read + write)")
+    print()
+    header = "| format | MB read | " + " | ".join(f"{r} rows ms" for r in row_counts) + \
+             " | limit ms (MB / read BW) | rows 2/3/16/37 identical | lone row identical | rel. error vs exact |"
+    print(header)
+    print("|" + "---|" * (header.count("|") - 1))
+    for n in names:
+        med = [statistics.median(times[(n, r)]) * 1e3 for r in row_counts]
+        print(f"| {n} | {nbytes[n] / 1e6:.0f} | " + " | ".join(f"{m:.2f}" for m in med) +
+              f" | {nbytes[n] / read_bw / 1e6:.2f} | {invariant[n]} | {lone_row[n]} | {max(err[n]):.2e} |")
+    print(f"\n{args.rounds} interleaved rounds, medians; 120 matrices (30 layers x QKV, O, gate/up, down), "
+          f"LM head not included (Q8_0 in the file, kept bf16).")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,158 @@
+"""Weight-only int8 / int4 target weights (``weights`` in models.toml): used only where exact per
+row on this CPU, lossless (greedy DFlash == greedy AR) when used, a clear fallback otherwise."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dflash_core import weight_formats
+from dflash_core.errors import RegistryError
+from dflash_core.registry import parse_registry
+from dflash_core.speculative import GenerationConfig, collect, stream
+from dflash_core.target import FastTarget, make_runner
+from dflash_core.testing import PROMPTS, OracleDrafter, tiny_drafter, tiny_target
+from dflash_core.weight_formats import (Int4Weight, Int8Weight, kernel_available, quantize_q4, quantized_layers,
+                                        row_invariant)
+
+PAIR = {"target": {"hub": "x/y"}, "drafter": {"random": True}}
+
+
+def expected_format(model: torch.nn.Module, fmt: str) -> bool:
+    """Whether this machine's kernels let ``fmt`` run (what the runner's probe must decide)."""
+    if not kernel_available(fmt):
+        return False
+    runner = FastTarget(model)
+    layers, _ = quantized_layers(runner.layers, fmt, runner.dtype)
+    return layers is not None
+
+
+def test_registry_reads_weights_and_refuses_an_unknown_format():
+    registry = parse_registry({"pairs": {"a": {**PAIR, "weights": "int4"}, "b": PAIR}}, Path("models.toml"))
+    assert registry.pairs["a"].weights == "int4"
+    assert registry.pairs["b"].weights == "bf16"  # the default
+    with pytest.raises(RegistryError, match=r"weights = 'int3'; allowed: bf16, int8, int4"):
+        parse_registry({"pairs": {"a": {**PAIR, "weights": "int3"}}}, Path("models.toml"))
+
+
+def test_runner_refuses_an_unknown_format():
+    model = tiny_target("llama", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="weights = 'fp8'"):
+        FastTarget(model, "fp8")
+    with pytest.raises(ValueError, match="weights = 'fp8'"):
+        make_runner(model, weights="fp8")
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_kernels_are_close_to_the_weight_they_stand_for(fmt):
+    if not kernel_available(fmt):
+        pytest.skip(f"this PyTorch has no {fmt} kernel")
+    torch.manual_seed(0)
+    weight = torch.randn(96, 128)
+    if fmt == "int4":
+        blocks = quantize_q4(weight)
+        kernel, exact = Int4Weight(blocks), blocks.dequantize()
+    else:
+        kernel = Int8Weight(weight)
+        exact = kernel.q.float() * kernel.scales.float()[:, None]
+    x = torch.randn(5, 128).bfloat16()
+    truth = x.float() @ exact.T
+    got = kernel(x).float()
+    assert got.shape == (5, 96)
+    assert (got - truth).norm() / truth.norm() < 1e-2
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_probe_decides_the_format_and_greedy_dflash_equals_ar(fmt):
+    model = tiny_target("llama", dtype=torch.bfloat16)
+    usable = expected_format(model, fmt)
+    runner = FastTarget(model, fmt)
+    if not usable:  # a CPU whose kernel is missing or rounds a row by its company: bf16, and says why
+        assert runner.weight_format == "bf16" and runner.weight_note.startswith(f"asked for {fmt}, running bf16")
+        return
+    if not runner.batch_invariant:
+        assert runner.weight_format == "bf16" and "no padding" in runner.weight_note
+        return
+    assert runner.weight_format == fmt
+    assert all(isinstance(layer.qkv, weight_formats.QuantizedLinear) for layer in runner.layers)
+    # The quantized target is another model: its logits differ from bf16's, a little.
+    bf16 = FastTarget(tiny_target("llama", dtype=torch.bfloat16))
+    ids = torch.tensor(PROMPTS[0])
+    for r in (runner, bf16):
+        r.reset(64)
+    a, b = runner.forward(ids, None).logits.float(), bf16.forward(ids, None).logits.float()
+    assert not torch.equal(a, b) and (a - b).norm() / b.norm() < 0.2
+    drafter = tiny_drafter(model, layers=1)
+    for prompt in PROMPTS:
+        ar = collect(stream(runner, None, prompt, GenerationConfig(max_new_tokens=40, block_size=1).validated(16)))
+        for block in (2, 4, 16):
+            cfg = GenerationConfig(max_new_tokens=40, block_size=block).validated(16)
+            assert collect(stream(runner, drafter, prompt, cfg)).token_ids == ar.token_ids, (fmt, block)
+            oracle = OracleDrafter(drafter, list(prompt) + ar.token_ids)
+            assert collect(stream(runner, oracle, prompt, cfg)).token_ids == ar.token_ids, (fmt, block, "oracle")
+
+
+def test_a_kernel_that_is_not_row_invariant_falls_back_to_bf16(monkeypatch):
+    monkeypatch.setattr(weight_formats, "row_invariant", lambda *a, **k: False)
+    runner = FastTarget(tiny_target("llama", dtype=torch.bfloat16), "int4")
+    assert runner.weight_format == "bf16"
+    if kernel_available("int4"):
+        assert "different numbers depending on how many rows" in runner.weight_note
+    assert not any(isinstance(layer.qkv, weight_formats.QuantizedLinear) for layer in runner.layers)
+
+
+def test_a_missing_kernel_falls_back_to_bf16(monkeypatch):
+    monkeypatch.setattr(weight_formats, "kernel_available", lambda fmt: fmt == "bf16")
+    runner = FastTarget(tiny_target("llama", dtype=torch.bfloat16), "int8")
+    assert runner.weight_format == "bf16" and "no int8 weight-only CPU kernel" in runner.weight_note
+
+
+def test_row_invariance_probe_catches_a_kernel_that_depends_on_the_row_count():
+    weight = torch.randn(16, 32).bfloat16()
+    assert row_invariant(lambda x: x @ weight.T, 32)
+    assert not row_invariant(lambda x: (x @ weight.T) + x.shape[0], 32)
+
+
+def test_q4_1_blocks_read_as_gguf_dequantizes_them():
+    gguf = pytest.importorskip("gguf")
+    rng = np.random.default_rng(0)
+    rows, cols = 8, 64
+    raw = rng.integers(0, 256, size=(rows * cols // 32, 20), dtype=np.uint8)
+    raw[:, 0:4] = np.array([0.01, -0.5], dtype=np.float16).view(np.uint8)  # finite d and m
+    blocks = weight_formats._unpack_q4_1(raw.reshape(rows, -1), rows, cols)
+    expected = gguf.quants.dequantize(raw.reshape(rows, -1), gguf.GGMLQuantizationType.Q4_1)
+    assert torch.equal(blocks.dequantize(), torch.from_numpy(expected))
+
+
+def test_rope_unpermute_is_transformers_reverse_permutation():
+    rows, heads = 24, 3
+    w = np.arange(rows * 2, dtype=np.float32).reshape(rows, 2)
+    dim = rows // heads // 2
+    transformers_order = w.reshape(heads, dim, 2, 2).swapaxes(2, 1).reshape(w.shape)  # _reverse_permute_weights
+    assert np.array_equal(w[weight_formats._rope_unpermute(rows, heads).numpy()], transformers_order)
+
+
+def test_int4_from_file_blocks_must_match_the_loaded_weights():
+    """Blocks that are not the model's weights (another file, rows in another order) are not
+    used: the loaded weights are quantized instead, and the note says so."""
+    if not kernel_available("int4"):
+        pytest.skip("this PyTorch has no int4 kernel")
+    model = tiny_target("llama", dtype=torch.bfloat16)
+    runner = FastTarget(model)
+    blocks = {}
+    for i, layer in enumerate(model.model.layers):
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                     "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
+            blocks[f"model.layers.{i}.{name}"] = quantize_q4(layer.get_submodule(name).weight.float())
+    layers, note = quantized_layers(runner.layers, "int4", torch.bfloat16, blocks)
+    assert layers is not None and "requantized" in note  # the bf16 weights are not these blocks' values
+    # Weights that are exactly the blocks' values, to bf16 rounding (as a dequantized GGUF's are): the codes run.
+    for i, layer in enumerate(model.model.layers):
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                     "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
+            layer.get_submodule(name).weight.data.copy_(blocks[f"model.layers.{i}.{name}"].dequantize())
+    layers, note = quantized_layers(FastTarget(model).layers, "int4", torch.bfloat16, blocks)
+    assert layers is not None and "GGUF's own Q4_1 blocks" in note
