@@ -8,7 +8,10 @@ llama.cpp pulls. PyTorch ships weight-only kernels for both:
   input dimension, ``w = (q - 8) * scale + zero`` with ``q`` in 0..15 and ``scale`` / ``zero`` in
   the activations' dtype. A GGUF ``Q4_1`` block is ``w = d * q + m`` (groups of 32, ``d`` and
   ``m`` in fp16), so ``scale = d`` and ``zero = m + 8 d`` run the file's own 4-bit codes
-  (``q4_1_blocks``); the only rounding left is that of ``d`` and ``zero`` to bf16.
+  (``q4_1_blocks``); the only rounding left is that of ``d`` and ``zero`` to bf16 (on SmolLM2
+  that leaves a relative rms weight error of 2.0e-3 against the file, bf16 rounding of the
+  dequantized weights 1.3e-3: another model, not a closer one). PyTorch's CPU kernel is fast for
+  a few rows and slow for many (it dequantizes again for every 4 rows): see docs/BENCHMARKS.md.
 * ``int8``: ``aten._weight_int8pack_mm``, one scale per output channel: a requantization of the
   (dequantized) weight, not the file's numbers.
 

@@ -81,6 +81,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "max_new_tokens": args.max_new_tokens, "block_size": config.block_size, "temperature": config.temperature,
         "rules": list(bench.rules), "methods": list(args.methods), "warmup": args.warmup, "dtype": engine.pair.dtype,
         "runner": type(engine.target.runner).__name__, "threads": torch.get_num_threads(),
+        "weights": getattr(engine.target.runner, "weight_format", "bf16"),
         "machine": hardware_summary(), "torch": torch.__version__,
     }
     if "llama_cpp" in args.methods:

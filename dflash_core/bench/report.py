@@ -40,6 +40,12 @@ def records_json(records: list[PromptRecord]) -> list[dict[str, Any]]:
     return rows
 
 
+def _weights(settings: dict) -> str:
+    """The target's weight-only format for a report line (``weights`` in models.toml; empty for bf16)."""
+    weights = settings.get("weights", "bf16")
+    return "" if weights == "bf16" else f", {weights} weights"
+
+
 def write_results(out: Path, settings: dict[str, Any], summary: dict[str, Any], records: list[PromptRecord]) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     path = out / "results.json"
@@ -102,7 +108,7 @@ def markdown_summary(settings: dict[str, Any], summary: dict[str, Any]) -> str:
         f"`{settings['command']}`",
         "",
         f"{settings['limit']} prompts from `{settings['prompts']}` (offset {settings['offset']}), pair `{settings['pair']}`, "
-        f"{settings['dtype']}, {settings['runner']}, block {settings['block_size']}, temperature {settings['temperature']}, "
+        f"{settings['dtype']}{_weights(settings)}, {settings['runner']}, block {settings['block_size']}, temperature {settings['temperature']}, "
         f"{settings['max_new_tokens']} new tokens, {settings['threads']} threads, warm-up {settings['warmup']}.",
         "",
         "| method | tokens/s |",
