@@ -49,6 +49,9 @@ def machine_key(target: TargetRunner, pair: str, block_size: int) -> str:
              f"dtype={target.dtype}", f"runner={type(target).__name__}", f"vocab={target.vocab_size}",
              f"layers={target.num_layers}", f"hidden={target.hidden_size}", f"block={block_size}",
              f"min_rows={getattr(target, 'min_rows', None)}"]
+    weights = getattr(target, "weight_format", "bf16")
+    if weights != "bf16":  # int4 / int8 kernels cost differently per row (bf16 keys stay as they were)
+        parts.append(f"weights={weights}")
     return " | ".join(parts)
 
 

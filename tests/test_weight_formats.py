@@ -156,3 +156,12 @@ def test_int4_from_file_blocks_must_match_the_loaded_weights():
             layer.get_submodule(name).weight.data.copy_(blocks[f"model.layers.{i}.{name}"].dequantize())
     layers, note = quantized_layers(FastTarget(model).layers, "int4", torch.bfloat16, blocks)
     assert layers is not None and "GGUF's own Q4_1 blocks" in note
+
+
+def test_calibration_key_names_a_weight_only_format():
+    from dflash_core.calibration import machine_key
+
+    bf16 = FastTarget(tiny_target("llama", dtype=torch.bfloat16))
+    assert "weights=" not in machine_key(bf16, "p", 16)  # bf16 keys as before
+    runner = FastTarget(tiny_target("llama", dtype=torch.bfloat16), "int4")
+    assert ("weights=int4" in machine_key(runner, "p", 16)) == (runner.weight_format == "int4")
