@@ -32,6 +32,10 @@ def main() -> None:
     from dflash_core.serving import build_router
 
     server_app.include_router(build_router(service))
+    # The live pages' update streams (app/channel.py), beside Gradio's own routes.
+    from .channel import build_router as build_live_router
+
+    server_app.include_router(build_live_router())
     print(f"OpenAI-compatible API on http://{host}:{port}/v1", file=sys.stderr)
     demo.block_thread()
 

@@ -27,13 +27,15 @@ from dflash_core.request import Variant
 from dflash_core.speculative import GenerationConfig
 
 from . import render
-from .live import live_runs
+from .channel import CHANNELS
+from .live import published_runs, subscribe
 from .recording import RunRecord
 
 # Where the Chat tab's live updates go (APPLY_LIVE_UPDATE_JS reads them from each update): the
 # answer being written is the conversation's one pane tagged with a run.
 CHAT_PANES = {"dflash": "#dfs-chat-conv .dfs-text[data-run]", "ar": "#dfs-chat-ar .dfs-text",
-              "log": "#dfs-chat-log .dfs-log"}
+              "log": "#dfs-chat-log .dfs-log", "dflash_counters": "#dfs-chat-counters .dfs-counters",
+              "ar_counters": "#dfs-chat-ar-counters .dfs-counters"}
 AR_PLACEHOLDER = ("Tick “Also run the autoregressive baseline” to time each answer against the target alone, "
                   "or pick an earlier answer below and press “Run the baseline for this answer”.")
 
@@ -262,27 +264,25 @@ class Chat:
             v.ar_text: render.tokens_html(None, "The autoregressive baseline runs after DFlash." if baseline
                                           else AR_PLACEHOLDER, run_id),
             v.log: render.cycle_log_html(None, run_id=run_id),
-            v.counters: render.counters_html(None, "DFlash"),
-            v.ar_counters: render.counters_html(None, "Autoregressive"),
+            v.counters: render.counters_html(None, "DFlash", run_id),
+            v.ar_counters: render.counters_html(None, "Autoregressive", run_id),
             v.speedup: render.speedup_html(None, None, None),
         }
         if message is not None:
             started[v.message] = ""
-        yield started
         records: dict[str, RunRecord] = {}
         runs = [("dflash", cfg)] + ([("ar", ar_cfg)] if baseline else [])
         error: DFlashError | None = None
+        channel = CHANNELS.open()  # the updates go there, not through Gradio (app/channel.py)
         try:
-            for mode, update in live_runs(engine, ids, runs, stop, run_id, records, CHAT_PANES):
-                if update is None:
-                    yield {v.status: f"▶ answering with DFlash ({name})…" if mode == "dflash"
-                           else "▶ running the autoregressive baseline on the same prompt…"}
-                    continue
-                label = "DFlash" if mode == "dflash" else "Autoregressive"
-                counters = v.counters if mode == "dflash" else v.ar_counters
-                yield {v.live_update: update, counters: render.counters_html(records[mode], label)}
+            yield {**started, v.live_update: subscribe(channel, run_id)}
+            for mode in published_runs(engine, ids, runs, stop, run_id, records, channel, CHAT_PANES):
+                yield {v.status: f"▶ answering with DFlash ({name})…" if mode == "dflash"
+                       else "▶ running the autoregressive baseline on the same prompt…"}
         except DFlashError as exc:
             error = exc  # handled below like a Stop: what was said is kept
+        finally:
+            channel.close()
 
         d, a = records.get("dflash"), records.get("ar")
         if d is None or not d.token_ids:
@@ -359,23 +359,26 @@ class Chat:
         # rates are over the same length.
         config = replace(turn["ar_config"], max_new_tokens=len(turn["token_ids"]))
         run_id = next(self.studio._run_ids)
-        yield {
-            v.ar_text: render.tokens_html(None, f"The target alone, on answer {number}'s prompt.", run_id),
-            v.ar_counters: render.counters_html(None, "Autoregressive"),
-            v.counters: render.counters_html(d, label), v.log: render.cycle_log_html(d),
-            v.speedup: render.speedup_html(None, None, None),
-            v.status: f"▶ running the autoregressive baseline on answer {number}'s prompt…",
-        }
         records: dict[str, RunRecord] = {}
+        channel = CHANNELS.open()
         try:
-            for _, update in live_runs(engine, turn["prompt_ids"], [("ar", config)], stop, run_id, records,
-                                       CHAT_PANES):
-                if update is not None:
-                    yield {v.live_update: update, v.ar_counters: render.counters_html(records["ar"], "Autoregressive")}
+            yield {
+                v.ar_text: render.tokens_html(None, f"The target alone, on answer {number}'s prompt.", run_id),
+                v.ar_counters: render.counters_html(None, "Autoregressive", run_id),
+                v.counters: render.counters_html(d, label), v.log: render.cycle_log_html(d),
+                v.speedup: render.speedup_html(None, None, None),
+                v.status: f"▶ running the autoregressive baseline on answer {number}'s prompt…",
+                v.live_update: subscribe(channel, run_id),
+            }
+            for _ in published_runs(engine, turn["prompt_ids"], [("ar", config)], stop, run_id, records, channel,
+                                    CHAT_PANES):
+                pass
         except DFlashError as exc:
             yield {v.status: f"⚠️ {exc} · the conversation is unchanged",
                    v.ar_text: render.tokens_html(records.get("ar"), f"The baseline failed: {exc}")}
             return
+        finally:
+            channel.close()
         a = records.get("ar")
         shown = {v.ar_text: render.tokens_html(a, "Stopped before the baseline ran."),
                  v.ar_counters: render.counters_html(a, "Autoregressive")}

@@ -6,7 +6,8 @@ the CPU with the engine. When the engine waited for every update to be rendered,
 showed a fraction of the engine's speed, and a different fraction for DFlash (one update per
 cycle) than for the baseline (one per token). Here the engine never waits for the page: the page
 takes whatever has accumulated, at most ``UPDATES_PER_S`` times a second, and each run's timer is
-the engine's own (event timestamps taken in the engine's thread).
+the engine's own (event timestamps taken in the engine's thread). The pages' updates travel on a
+channel of their own (``published_runs``, app/channel.py), not as Gradio messages.
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ from dflash_core import compute
 from dflash_core.speculative import CycleEvent, GenerationConfig
 
 # Page updates while a run is going (each may carry several cycles). Every update costs the
-# browser, on the same cores, more than its few bytes suggest (Gradio's frontend handles each
-# message); 4 a second kept the page smooth and cost the engine less than 10 did in
-# scripts/studio_bench.py (docs/BENCHMARKS.md). DFLASH_UI_UPDATES_PER_S changes it.
+# browser, on the same cores as the engine, more than its few bytes suggest; 4 a second kept the
+# page smooth and cost the engine less than 10 did in scripts/studio_bench.py (docs/BENCHMARKS.md).
+# DFLASH_UI_UPDATES_PER_S changes it.
 UPDATES_PER_S = float(os.environ.get("DFLASH_UI_UPDATES_PER_S", "4"))
 
 
@@ -33,7 +34,7 @@ class BackgroundRun:
     since the last call, each with the ``time.perf_counter()`` at which the engine yielded it."""
 
     def __init__(self, engine: Any, prompt_ids: list[int], config: GenerationConfig,
-                 should_stop: Callable[[], bool] | None = None) -> None:
+                 should_stop: Callable[[], bool] | None = None, abandoned: Callable[[], bool] | None = None) -> None:
         self._events: list[tuple[float, CycleEvent]] = []
         self._taken = 0
         self._guard = threading.Lock()
@@ -42,6 +43,7 @@ class BackgroundRun:
         self.done = threading.Event()
         self.error: BaseException | None = None
         self.started = 0.0
+        self._gone = abandoned  # asked after every cycle: the page that watched has gone
         self._stream = engine.stream_ids(prompt_ids, config, should_stop=should_stop)
         # On the process's one compute thread (dflash_core.compute), where the CLI's speed is;
         # the run's clock starts when it starts there, not while it waits for its turn.
@@ -55,7 +57,7 @@ class BackgroundRun:
             for event in self._stream:
                 with self._guard:
                     self._events.append((time.perf_counter(), event))
-                if self._abandoned.is_set():
+                if self._abandoned.is_set() or (self._gone is not None and self._gone()):
                     break  # nobody is watching: stop before computing another cycle
         except BaseException as exc:  # handed to the consumer, which raises it where it can be shown
             self.error = exc
@@ -108,26 +110,53 @@ def recorded_batches(run: BackgroundRun, record: Any, tokenizer: Any):
         yield record.tokens[shown_tokens:], record.cycles[shown_cycles:]
 
 
+COUNTER_LABELS = {"dflash": "DFlash", "ar": "Autoregressive"}
+
+
 def live_runs(engine: Any, prompt_ids: list[int], runs: list[tuple[str, GenerationConfig]], stop: threading.Event,
-              run_id: int, records: dict[str, Any], panes: dict[str, str] | None = None):
+              run_id: int, records: dict[str, Any], panes: dict[str, str] | None = None,
+              abandoned: Callable[[], bool] | None = None):
     """Each ``(mode, config)`` of ``runs`` in turn ("dflash", then the "ar" baseline), each in
     its own ``BackgroundRun`` recorded into ``records[mode]`` (a ``RunRecord``); yields
     ``(mode, None)`` as a run starts, then ``(mode, update)`` per batch: the JSON of one live
-    update (the new token spans, the new cycle-log rows) for the page's APPLY_LIVE_UPDATE_JS."""
+    update (the new token spans, the new cycle-log rows, the run's counters) for the page's
+    APPLY_LIVE_UPDATE_JS. Ends early once ``stop`` is set or ``abandoned()`` is true."""
     from . import render
     from .recording import RunRecord
 
     sequence = itertools.count()  # consecutive updates must differ, or the page sees no change
     for mode, config in runs:
-        if stop.is_set():
+        if stop.is_set() or (abandoned is not None and abandoned()):
             return
         yield mode, None
-        run = BackgroundRun(engine, prompt_ids, config, should_stop=stop.is_set)
+        run = BackgroundRun(engine, prompt_ids, config, should_stop=stop.is_set, abandoned=abandoned)
         record = records[mode] = RunRecord(mode, started=run.started)
         for tokens, cycles in recorded_batches(run, record, engine.tokenizer):
-            update = {"run": run_id, "seq": next(sequence), mode: render.token_spans(tokens, mode)}
+            update = {"run": run_id, "seq": next(sequence), mode: render.token_spans(tokens, mode),
+                      f"{mode}_counters": render.counters_inner(record, COUNTER_LABELS[mode])}
             if panes:
                 update["panes"] = panes
             if mode == "dflash" and cycles:
                 update["log"] = render.cycle_rows(cycles)
             yield mode, json.dumps(update)
+
+
+def subscribe(channel: Any, run_id: int) -> str:
+    """The value of a live-update box that has the page open ``channel``'s event stream."""
+    return json.dumps({"run": run_id, "subscribe": channel.url})
+
+
+def published_runs(engine: Any, prompt_ids: list[int], runs: list[tuple[str, GenerationConfig]],
+                   stop: threading.Event, run_id: int, records: dict[str, Any], channel: Any,
+                   panes: dict[str, str] | None = None):
+    """``live_runs`` with its updates published to ``channel`` (an ``app.channel.Channel``)
+    rather than handed to Gradio; yields each run's mode as it starts. A page that has gone
+    (``channel.abandoned()``) ends the run within a cycle. The channel is closed at the end."""
+    try:
+        for mode, update in live_runs(engine, prompt_ids, runs, stop, run_id, records, panes, channel.abandoned):
+            if update is None:
+                yield mode
+            else:
+                channel.publish(update)
+    finally:
+        channel.close()

@@ -107,9 +107,10 @@ def _fmt(value: float | None, pattern: str, missing: str = "–") -> str:
     return missing if value is None else pattern.format(value)
 
 
-def counters_html(run: RunRecord | None, label: str) -> str:
+def counters_inner(run: RunRecord | None, label: str) -> str:
+    """What a counters box holds (a live update replaces it; the box keeps its run tag)."""
     if run is None:
-        return f'<div class="dfs-counters"><b>{_esc(label)}</b> waiting</div>'
+        return f"<b>{_esc(label)}</b> waiting"
     state = run.finish_reason or "running"
     cells = [
         ("time", f"{run.elapsed_s:.2f} s"),
@@ -119,7 +120,13 @@ def counters_html(run: RunRecord | None, label: str) -> str:
     if run.mode == "dflash":
         cells[1:1] = [("cycles", str(len(run.cycles))), ("mean acceptance length τ", _fmt(run.tau, "{:.2f}"))]
     body = "".join(f'<span class="dfs-cell"><small>{_esc(k)}</small><b>{_esc(v)}</b></span>' for k, v in cells)
-    return f'<div class="dfs-counters"><b>{_esc(label)}</b> <i>{_esc(state)}</i>{body}</div>'
+    return f"<b>{_esc(label)}</b> <i>{_esc(state)}</i>{body}"
+
+
+def counters_html(run: RunRecord | None, label: str, run_id: int | None = None) -> str:
+    """A run's counters; with ``run_id``, tagged with its run for the live updates to fill."""
+    tag = f' data-run="{run_id}"' if run_id is not None else ""
+    return f'<div class="dfs-counters"{tag}>{counters_inner(run, label)}</div>'
 
 
 def speedup_html(dflash: RunRecord | None, ar: RunRecord | None, same_text: bool | None, variant: str = "") -> str:

@@ -1,8 +1,9 @@
 """DFlash Studio: the Gradio app.
 
 * Live view: the engine runs in its own thread at full speed; the page gets what is new (tokens
-  coloured by origin, cycle-log rows, counters) at most four times a second, appended in the
-  browser, so what it shows costs the engine little and does not grow with the output.
+  coloured by origin, cycle-log rows, counters) at most four times a second on an event stream of
+  its own (app/channel.py), appended in the browser, so what it shows costs the engine little
+  and does not grow with the output.
 * An honest autoregressive baseline on the same engine, run after DFlash (never at the same time)
   with its own timer (the engine's timestamps), and the speedup.
 * Plotly charts, a Stop button that ends the engine within one cycle, a teaching mode that steps
@@ -27,7 +28,8 @@ from dflash_core.speculative import GenerationConfig
 
 from . import charts, render
 from .chat import AR_PLACEHOLDER, Chat, ChatViews, thinking_box
-from .live import BackgroundRun, batches, live_runs
+from .channel import CHANNELS
+from .live import BackgroundRun, batches, published_runs, subscribe
 from .recording import IncrementalDetokenizer, RunRecord
 from .service import StudioService
 from .teaching import TeachingState, explanation_md, formula_md, step_html
@@ -52,15 +54,18 @@ EXAMPLES = [
 ]
 
 
-# Applies a live update (see Studio.compare) in the browser: appends the new tokens to the text
-# panes and puts the new cycles on top of the log, in arrival order, into the panes of the run
-# they belong to (a pane is emptied, and tagged with its run, at the start of every run). An
-# update may name its panes ({key: CSS selector}, as the Chat tab's do); else the Live tab's.
+# Applies live updates (see Studio.compare) in the browser: a box value {"subscribe": url} opens
+# the run's event stream (app/channel.py), whose every message is an update; an update appends
+# the new tokens to the text panes, puts the new cycles on top of the log and replaces the
+# counters, in arrival order, in the panes of the run it belongs to (a pane is emptied, and tagged
+# with its run, at the start of every run). An update may name its panes ({key: CSS selector}, as
+# the Chat tab's do); else the Live tab's.
 APPLY_LIVE_UPDATE_JS = """
 (payload) => {
   const live = window.dfsLive || (window.dfsLive = {queue: [], drain: null});
   live.drain = live.drain || (() => {
-    const livePanes = {dflash: '#dfs-dflash .dfs-text', ar: '#dfs-ar .dfs-text', log: '#dfs-log .dfs-log'};
+    const livePanes = {dflash: '#dfs-dflash .dfs-text', ar: '#dfs-ar .dfs-text', log: '#dfs-log .dfs-log',
+                       dflash_counters: '#dfs-dflash-counters .dfs-counters', ar_counters: '#dfs-ar-counters .dfs-counters'};
     while (live.queue.length) {
       const update = live.queue[0];
       const panes = update.panes || livePanes;  // the Chat tab names its own panes
@@ -78,6 +83,8 @@ APPLY_LIVE_UPDATE_JS = """
         if (key === 'log') {
           box.insertAdjacentHTML('afterbegin', update[key]);
           while (box.children.length > Number(box.dataset.keep)) box.lastElementChild.remove();
+        } else if (key.endsWith('counters')) {
+          box.innerHTML = update[key];
         } else {
           const following = box.scrollTop + box.clientHeight >= box.scrollHeight - 8;
           box.insertAdjacentHTML('beforeend', update[key]);
@@ -87,7 +94,16 @@ APPLY_LIVE_UPDATE_JS = """
       live.queue.shift();
     }
   });
-  if (payload) { live.queue.push(JSON.parse(payload)); live.drain(); }
+  if (payload) {
+    const message = JSON.parse(payload);
+    if (message.subscribe) {
+      const base = ((window.gradio_config && window.gradio_config.root) || window.location.origin).replace(/\\/$/, '');
+      const source = new EventSource(base + message.subscribe);
+      source.onmessage = (event) => { live.queue.push(JSON.parse(event.data)); live.drain(); };
+      source.addEventListener('end', () => source.close());
+      source.onerror = () => { if (source.readyState === EventSource.CLOSED) source.close(); };
+    } else { live.queue.push(message); live.drain(); }
+  }
   return [];
 }
 """
@@ -210,31 +226,31 @@ class Studio:
 
         run_id = next(self._run_ids)
         variant = variant_name(cfg)
-        # Empty panes tagged with this run: the live updates that follow append to them.
-        yield {
-            v.dflash_text: render.tokens_html(None, "DFlash output appears here, one cycle at a time.", run_id),
-            v.ar_text: render.tokens_html(None, "The autoregressive baseline runs after DFlash." if baseline
-                                          else "Baseline off.", run_id),
-            v.log: render.cycle_log_html(None, run_id=run_id),
-            v.dflash_counters: render.counters_html(None, "DFlash"),
-            v.ar_counters: render.counters_html(None, "Autoregressive"),
-            v.speedup: render.speedup_html(None, None, None),
-            **{plot: None for plot in v.plots.values()},
-        }
+        channel = CHANNELS.open()
         records: dict[str, RunRecord] = {}
         runs = [("dflash", cfg)] + ([("ar", ar_cfg)] if baseline else [])
         try:
-            for mode, update in live_runs(engine, ids, runs, stop, run_id, records):
-                if update is None:
-                    label = f"DFlash ({variant})" if mode == "dflash" else "the autoregressive baseline"
-                    yield {v.status: f"▶ running {label}…"}
-                    continue
-                counters, label = ((v.dflash_counters, "DFlash") if mode == "dflash"
-                                   else (v.ar_counters, "Autoregressive"))
-                yield {v.live_update: update, counters: render.counters_html(records[mode], label)}
+            # Empty panes tagged with this run, and the page told where this run's updates stream
+            # (app/channel.py): they come there, not through Gradio, while the engine is timed.
+            yield {
+                v.dflash_text: render.tokens_html(None, "DFlash output appears here, one cycle at a time.", run_id),
+                v.ar_text: render.tokens_html(None, "The autoregressive baseline runs after DFlash." if baseline
+                                              else "Baseline off.", run_id),
+                v.log: render.cycle_log_html(None, run_id=run_id),
+                v.dflash_counters: render.counters_html(None, "DFlash", run_id),
+                v.ar_counters: render.counters_html(None, "Autoregressive", run_id),
+                v.speedup: render.speedup_html(None, None, None),
+                v.live_update: subscribe(channel, run_id),
+                **{plot: None for plot in v.plots.values()},
+            }
+            for mode in published_runs(engine, ids, runs, stop, run_id, records, channel):
+                label = f"DFlash ({variant})" if mode == "dflash" else "the autoregressive baseline"
+                yield {v.status: f"▶ running {label}…"}
         except DFlashError as exc:
             yield {v.status: f"⚠️ {exc}"}
             return
+        finally:
+            channel.close()  # also when Gradio closes this generator (the page went away)
         d, a = records.get("dflash"), records.get("ar")
         same = None
         if d is not None and a is not None and a.finish_reason not in (None, "cancelled"):
@@ -412,10 +428,10 @@ def build_studio(service: StudioService | None = None) -> tuple[Studio, gr.Block
                     gr.HTML(render.LEGEND)
                     with gr.Row():
                         with gr.Column():
-                            d_counters = gr.HTML(render.counters_html(None, "DFlash"))
+                            d_counters = gr.HTML(render.counters_html(None, "DFlash"), elem_id="dfs-dflash-counters")
                             d_text = gr.HTML(render.tokens_html(None, "DFlash output appears here."), elem_id="dfs-dflash")
                         with gr.Column():
-                            a_counters = gr.HTML(render.counters_html(None, "Autoregressive"))
+                            a_counters = gr.HTML(render.counters_html(None, "Autoregressive"), elem_id="dfs-ar-counters")
                             a_text = gr.HTML(render.tokens_html(None, "Baseline output appears here."), elem_id="dfs-ar")
                     speedup = gr.HTML(render.speedup_html(None, None, None), elem_id="dfs-speedup")
                     log = gr.HTML(render.cycle_log_html(None), elem_id="dfs-log")
@@ -468,7 +484,7 @@ def build_studio(service: StudioService | None = None) -> tuple[Studio, gr.Block
                         with gr.Column():
                             c_log = gr.HTML(render.cycle_log_html(None), elem_id="dfs-chat-log")
                         with gr.Column():
-                            c_ar_counters = gr.HTML(render.counters_html(None, "Autoregressive"))
+                            c_ar_counters = gr.HTML(render.counters_html(None, "Autoregressive"), elem_id="dfs-chat-ar-counters")
                             c_ar_text = gr.HTML(render.tokens_html(None, AR_PLACEHOLDER), elem_id="dfs-chat-ar")
                     c_live = gr.Textbox(visible="hidden", elem_id="dfs-chat-live-update")
                     c_history = gr.State([])

@@ -288,19 +288,81 @@ def generate_in_page(page, prompt: str, until: str, max_new_tokens: int | None =
     wait_for_status(page, until, 240_000)
 
 
+def live_channel(updates: list[dict], live_update):  # noqa: ANN001, ANN201
+    """The channel (``app.channel.Channel``) that a handler's ``updates`` told the page to open."""
+    import json
+
+    from app.channel import CHANNELS
+
+    for update in updates:
+        if live_update in update and "subscribe" in json.loads(update[live_update]):
+            return CHANNELS.get(json.loads(update[live_update])["subscribe"].rsplit("/", 1)[1])
+    raise AssertionError("the handler never told the page where its live updates stream")
+
+
+def live_messages(updates: list[dict], live_update) -> list[dict]:  # noqa: ANN001
+    """Every live update a finished handler published (what the page's event stream carried)."""
+    import json
+
+    channel = live_channel(updates, live_update)
+    assert channel.closed_at is not None, "the channel is still open: the handler has not finished"
+    return [json.loads(m) for m in channel.messages]
+
+
+def run_until_live(updates, live_update, timeout: float = 120.0):  # noqa: ANN001, ANN201
+    """Start a handler's ``updates`` in a thread (the engine runs while nobody calls ``next``
+    only inside one) and return ``(channel, finish)`` once its channel has a first update;
+    ``finish()`` joins the thread and returns every update the handler yielded."""
+    import threading
+    import time
+
+    seen: list[dict] = []
+    failure: list[BaseException] = []
+    opened = threading.Event()
+
+    def drive() -> None:
+        try:
+            for update in updates:
+                seen.append(update)
+                if live_update in update:
+                    opened.set()
+        except BaseException as exc:  # re-raised by finish()
+            failure.append(exc)
+        finally:
+            opened.set()
+
+    thread = threading.Thread(target=drive, daemon=True)
+    thread.start()
+    assert opened.wait(timeout), "no live channel"
+    if failure:
+        raise failure[0]
+    channel = live_channel(seen, live_update)
+    deadline = time.monotonic() + timeout
+    while not channel.messages and channel.closed_at is None:
+        assert time.monotonic() < deadline, "no live update"
+        time.sleep(0.01)
+
+    def finish() -> list[dict]:
+        thread.join(timeout)
+        assert not thread.is_alive(), "the handler did not end"
+        if failure:
+            raise failure[0]
+        return seen
+
+    return channel, finish
+
+
 def stop_at_first_live_update(studio, updates, live_update, request, while_running=None):  # noqa: ANN001, ANN201
     """Run a handler's ``updates`` until its first live update, press Stop (checking it says so),
-    and check the engine ended within a cycle; returns the updates that followed. ``while_running``
-    is called just before Stop (what a test checks is refused mid-run)."""
+    and check the engine ended within a cycle; returns every update the handler yielded.
+    ``while_running`` is called just before Stop (what a test checks is refused mid-run)."""
     engine = studio.service.engine(None)
-    for update in updates:
-        if live_update in update:
-            at_stop = engine.last_run["cycles"]  # the engine is ahead of the page
-            if while_running is not None:
-                while_running()
-            assert studio.stop(request).startswith("⏹")
-            break
-    rest = list(updates)
+    channel, finish = run_until_live(updates, live_update)
+    at_stop = engine.last_run["cycles"]  # the engine is ahead of the page
+    if while_running is not None:
+        while_running()
+    assert studio.stop(request).startswith("⏹")
+    rest = finish()
     assert engine.last_run["finish_reason"] == "cancelled"
     assert engine.last_run["cycles"] <= at_stop + 2  # the cycle under way, then the cancelled event
     assert not engine.busy and studio._stops == {}  # nothing kept per session once its run is over

@@ -5,7 +5,6 @@ thinking default on a tiny pair whose template has the switch, and the chat in a
 from __future__ import annotations
 
 import html
-import json
 import re
 import shutil
 from pathlib import Path
@@ -13,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from dflash_core.messages import encode_messages
-from dflash_core.testing import (browser_session, contains_run as has, empty_think_block, open_studio,
-                                 stop_at_first_live_update, thinking_registry)
+from dflash_core.testing import (browser_session, contains_run as has, empty_think_block, live_messages,
+                                 open_studio, stop_at_first_live_update, thinking_registry)
 from dflash_core.speculative import GenerationConfig, collect
 
 pytestmark = pytest.mark.slow
@@ -82,7 +81,7 @@ def test_two_turns_the_second_answered_with_the_first_in_its_prompt(studio, two_
     assert history[3]["content"] == engine.decode(history[3]["token_ids"])
     # The answer streamed into the chat's own panes, each token and cycle once; the conversation
     # ends drawn from the record.
-    live = [json.loads(u[v.live_update]) for u in second if v.live_update in u]
+    live = live_messages(second, v.live_update)
     assert live and all(u["panes"] == CHAT_PANES for u in live)
     assert "".join(u.get("dflash", "") for u in live) == history[3]["html"]
     assert visible_text(history[3]["html"]) == history[3]["content"]
@@ -135,8 +134,8 @@ def test_the_baseline_runs_for_an_earlier_answer_on_its_own_prompt_and_leaves_th
     beside = [u for u in updates if v.counters in u]
     assert len(beside) == 1 and "answer 1" in beside[0][v.counters]
     assert beside[0][v.log] == cycle_log_html(history[1]["record"])
-    live = [json.loads(u[v.live_update]) for u in updates if v.live_update in u]
-    assert live and all(set(u) == {"run", "seq", "ar", "panes"} for u in live)
+    live = live_messages(updates, v.live_update)
+    assert live and all(set(u) == {"run", "seq", "ar", "ar_counters", "panes"} for u in live)
     assert timed[1]["note"] in updates[-1][v.conversation]
     # Nothing to time, or an engine error on the way: said, and the conversation is untouched.
     assert "No answer to time yet" in list(studio.chat.time_answer(None, [], Request()))[-1][v.status]

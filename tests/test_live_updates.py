@@ -1,6 +1,7 @@
 """The Live tab's handler, in process on the real default pair: the engine runs in its own
-thread, the page is sent each token and each cycle once (updates do not grow with the output),
-the final panes are what was recorded, and Stop / a closed tab end the engine within a cycle."""
+thread, the page's event stream carries each token and each cycle once (updates do not grow with
+the output), the final panes are what was recorded, and Stop / a closed tab end the engine
+within a cycle."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import re
 
 import pytest
 
-from dflash_core.testing import browser_session, stop_at_first_live_update
+from dflash_core.testing import (browser_session, live_channel, live_messages, run_until_live,
+                                 stop_at_first_live_update)
 
 from dflash_core.speculative import GenerationConfig
 
@@ -35,14 +37,19 @@ def visible_text(pane_html: str) -> str:
 def test_each_token_and_cycle_is_sent_once_and_the_final_panes_are_the_record(studio):
     v = studio.views
     updates = list(run_compare(studio, 64))
-    live = [json.loads(u[v.live_update]) for u in updates if v.live_update in u]
+    live = live_messages(updates, v.live_update)
     final = updates[-1]
     assert "done" in final[v.status] and "tree + prompt lookup + adaptive" in final[v.status]
-    # The text panes and the log are sent whole twice only: emptied at the start, drawn from the
-    # records at the end; everything in between is appended, each token and each cycle once.
+    # The text panes and the log are sent whole twice only: emptied at the start (with where the
+    # run's updates stream), drawn from the records at the end. Through Gradio nothing else but
+    # the status line; everything in between goes to the event stream, each token and cycle once.
     whole = [i for i, u in enumerate(updates) if v.dflash_text in u or v.ar_text in u or v.log in u]
-    assert len(whole) == 2 and whole[1] == len(updates) - 1 and whole[0] < min(
-        i for i, u in enumerate(updates) if v.live_update in u)
+    subscribed = [i for i, u in enumerate(updates) if v.live_update in u]
+    assert whole == [subscribed[0], len(updates) - 1] and len(subscribed) == 1
+    assert all(set(u) == {v.status} for u in updates[whole[0] + 1:-1])
+    assert live and {u["run"] for u in live} == {json.loads(updates[whole[0]][v.live_update])["run"]}
+    # The counters come with the updates, into boxes tagged with the run.
+    assert all("counters" in " ".join(u) for u in live) and 'data-run="' in updates[whole[0]][v.dflash_counters]
     for mode, pane in (("dflash", v.dflash_text), ("ar", v.ar_text)):
         sent = "".join(u.get(mode, "") for u in live)
         assert f'<div class="dfs-text">{sent}</div>' == final[pane], mode
@@ -75,17 +82,32 @@ def test_stop_ends_the_engine_within_a_cycle(studio):
 def test_a_closed_page_frees_the_engine_within_a_cycle(studio):
     v = studio.views
     engine = studio.service.engine(None)
-    updates = run_compare(studio, 1500, baseline=False)
-    for update in updates:
-        if v.live_update in update:
-            break
+    channel, finish = run_until_live(run_compare(studio, 1500, baseline=False), v.live_update)
+    # The page's event stream opens and closes (the tab went away); a reconnecting page would be
+    # given ``grace_s`` to come back, which this test does not wait for.
+    channel.grace_s = 0.0
+    channel.attach()
+    channel.detach()
     at_close = engine.last_run["cycles"]
-    updates.close()  # what Gradio does when the tab goes away
+    finish()
     assert not engine.busy
     assert engine.last_run["finish_reason"] == "abandoned"
     assert engine.last_run["cycles"] <= at_close + 1
     assert engine.last_run["tokens"] < 1500
-    assert studio._stops == {}
+    assert studio._stops == {} and channel.closed_at is not None
+
+
+def test_closing_the_generator_still_frees_the_engine(studio):
+    """Gradio closes a handler whose page went away at its next yield (between two runs)."""
+    v = studio.views
+    engine = studio.service.engine(None)
+    updates = run_compare(studio, 1500, baseline=False)
+    for update in updates:
+        if v.live_update in update:
+            break
+    channel = live_channel([update], v.live_update)
+    updates.close()
+    assert not engine.busy and studio._stops == {} and channel.closed_at is not None
 
 
 def test_teaching_mode_shows_mask_slots_as_mask(studio):
