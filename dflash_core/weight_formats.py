@@ -11,7 +11,7 @@ llama.cpp pulls. PyTorch ships weight-only kernels for both:
   (``q4_1_blocks``); the only rounding left is that of ``d`` and ``zero`` to bf16 (on SmolLM2
   that leaves a relative rms weight error of 2.0e-3 against the file, bf16 rounding of the
   dequantized weights 1.3e-3: another model, not a closer one). PyTorch's CPU kernel is fast for
-  a few rows and slow for many (it dequantizes again for every 4 rows): see docs/BENCHMARKS.md.
+  a few rows and slow for many (~1.3 ms more per row for SmolLM2's layers): see docs/BENCHMARKS.md.
 * ``int8``: ``aten._weight_int8pack_mm``, one scale per output channel: a requantization of the
   (dequantized) weight, not the file's numbers.
 
