@@ -172,7 +172,12 @@ def test_real_browser_runs_a_generation_and_shows_coloured_tokens_and_plots(app_
         shot.parent.mkdir(parents=True, exist_ok=True)
         page.screenshot(path=str(shot), full_page=True)
         # Stop really stops: a long run, Stop, then the status says so.
-        generate_in_page(page, "Tell me a very long story about the sea.", until="running")
+        generate_in_page(page, "Tell me a very long story about the sea.", until="running", max_new_tokens=1500)
+        # While it runs, the page's own event stream brings the tokens and the counters live.
+        page.wait_for_function("() => document.querySelectorAll('#dfs-dflash .tok').length >= 3"
+                               " && (document.querySelector('#dfs-dflash-counters')?.innerText || '').includes('running')"
+                               " && (document.querySelector('#dfs-status')?.innerText || '').includes('running')",
+                               timeout=60_000)
         page.locator("#dfs-stop").click()
         wait_for_status(page, "stopped", 60_000)
         # A tab closed in the middle of a run frees the engine: a new tab is served normally.
