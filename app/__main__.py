@@ -17,7 +17,7 @@ def main() -> None:
 
     quiet_libraries()
     from .service import StudioService
-    from .studio import build_app, css
+    from .studio import build_app, css, queue_app
 
     host = os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1")
     port = int(os.environ.get("GRADIO_SERVER_PORT", "7860"))
@@ -25,7 +25,8 @@ def main() -> None:
     service.preload()
     demo = build_app(service)
     print(f"DFlash Studio on http://{host}:{port} (loading {service.registry.default} in the background)", file=sys.stderr)
-    demo.queue(default_concurrency_limit=1, max_size=int(os.environ.get("DFLASH_QUEUE_SIZE", "64")))
+    if not queue_app(demo, max_size=int(os.environ.get("DFLASH_QUEUE_SIZE", "64"))):
+        print("note: this Gradio's queue has no sleep_when_free; it polls at its own rate", file=sys.stderr)
     server_app, _, _ = demo.launch(server_name=host, server_port=port, share=os.environ.get("DFLASH_SHARE") == "1",
                                    css=css(), footer_links=["api"], show_error=True, prevent_thread_lock=True)
     # The OpenAI-compatible API on the same port, sharing the UI's engines (dflash_core.serving).

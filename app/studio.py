@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -371,6 +372,25 @@ class Studio:
                 }
         except DFlashError as exc:
             raise gr.Error(str(exc)) from None
+
+
+# Gradio's queue looks for work every ``sleep_when_free`` seconds, 1 ms on Linux (50 ms on
+# Windows), in the server's event-loop thread, all the time, runs in progress included. That thread
+# shares the studio's process, and Python's lock, with the engine's: a thousand wake-ups a second
+# are taken from the run being timed (docs/BENCHMARKS.md). Polling every 20 ms delays the start of a
+# queued event by at most that.
+QUEUE_POLL_S = float(os.environ.get("DFLASH_QUEUE_POLL_S", "0.02"))
+
+
+def queue_app(demo: gr.Blocks, max_size: int | None = None) -> bool:
+    """``demo.queue`` as the studio runs it (one event at a time per engine), polling for work
+    every ``QUEUE_POLL_S``; whether this Gradio had the setting to change."""
+    demo.queue(default_concurrency_limit=1, max_size=max_size)
+    queue = getattr(demo, "_queue", None)
+    if queue is None or not hasattr(queue, "sleep_when_free"):
+        return False
+    queue.sleep_when_free = max(float(queue.sleep_when_free), QUEUE_POLL_S)
+    return True
 
 
 def build_app(service: StudioService | None = None) -> gr.Blocks:

@@ -26,6 +26,18 @@ def default_pair() -> str:
     return load_registry().default
 
 
+def test_the_queue_looks_for_work_every_20_ms_not_every_millisecond():
+    """Gradio polls its queue every 1 ms on Linux, in a thread that shares Python's lock with the
+    engine's; the studio slows that down (a Gradio that renames the setting fails here)."""
+    from app.service import StudioService
+    from app.studio import QUEUE_POLL_S, build_app, queue_app
+
+    demo = build_app(StudioService(warm_up=False))
+    assert queue_app(demo, max_size=8)
+    assert demo._queue.sleep_when_free == QUEUE_POLL_S == 0.02
+    assert demo._queue.max_size == 8
+
+
 def test_binds_loopback_only(app_server):
     import psutil
 
