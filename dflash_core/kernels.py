@@ -34,16 +34,23 @@ def _packing_available(weight: torch.Tensor) -> bool:
     )
 
 
+def rows_match(call, reference: torch.Tensor, probe: torch.Tensor) -> bool:
+    """Whether ``call`` on the first rows of ``probe`` gives ``reference``'s rows bit for bit, for
+    every row count of ``PROBE_ROWS`` (``probe`` has ``max(PROBE_ROWS)`` rows)."""
+    return all(torch.equal(call(probe[:rows]), reference[:rows]) for rows in PROBE_ROWS)
+
+
+def probe_rows(in_features: int, dtype: torch.dtype) -> torch.Tensor:
+    """The fixed input the probes compare kernels on."""
+    generator = torch.Generator().manual_seed(0)
+    return torch.randn(max(PROBE_ROWS), in_features, generator=generator).to(dtype)
+
+
 def _packed_matches(weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor) -> bool:
     """Whether the packed weight gives ``F.linear``'s numbers, whatever the number of rows."""
-    generator = torch.Generator().manual_seed(0)
-    probe = torch.randn(max(PROBE_ROWS), weight.shape[1], generator=generator).to(weight.dtype)
-    reference = F.linear(probe, weight, bias)
-    for rows in PROBE_ROWS:
-        got = torch.ops.mkldnn._linear_pointwise(probe[:rows], packed, bias, "none", [], "")
-        if not torch.equal(got, reference[:rows]):
-            return False
-    return True
+    probe = probe_rows(weight.shape[1], weight.dtype)
+    return rows_match(lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], ""),
+                      F.linear(probe, weight, bias), probe)
 
 
 class Linear:

@@ -27,13 +27,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
+
+from .kernels import probe_rows, rows_match
 
 WEIGHT_FORMATS = ("bf16", "int8", "int4")
 GROUP = 32  # Q4_1's block, and the int4 kernel's group size we use
-# Row counts the probe compares: the decoder's minimum, odd, a block, a long prefill slice (as in
-# kernels.py); a lone row is left out: FastTarget never runs fewer than two rows.
-PROBE_ROWS = (2, 3, 16, 37)
 
 
 def _has(op: str) -> bool:
@@ -161,10 +159,8 @@ def quantize_q4(weight: torch.Tensor) -> Q4Blocks:
 
 def row_invariant(kernel, in_features: int, dtype: torch.dtype = torch.bfloat16) -> bool:
     """Whether ``kernel``'s rows are bit-identical whatever the number of rows in the call."""
-    generator = torch.Generator().manual_seed(0)
-    probe = torch.randn(max(PROBE_ROWS), in_features, generator=generator).to(dtype)
-    reference = kernel(probe)
-    return all(torch.equal(kernel(probe[:rows]), reference[:rows]) for rows in PROBE_ROWS)
+    probe = probe_rows(in_features, dtype)
+    return rows_match(kernel, kernel(probe), probe)
 
 
 def supported_shape(fmt: str, weight_shape: tuple[int, ...]) -> str | None:
