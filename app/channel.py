@@ -1,9 +1,8 @@
 """Live updates straight to the page, beside Gradio: one server-sent-event stream per run.
 
-Why not Gradio's own messages: each one makes Gradio's frontend process a component update, and
-on the two cores the engine is timed on that cost the engine about 5% of its speed per update a
-second (``scripts/studio_bench.py``: 4 updates a second showed ~78% of the CLI's autoregressive
-tokens/s; docs/BENCHMARKS.md). Here a handler publishes each update (a small JSON object: the new
+Why not Gradio's own messages: each one makes Gradio's frontend process a component update on
+the two cores the engine is timed on; with four a second, the page showed 78-79% of the CLI's
+autoregressive tokens/s (``scripts/studio_bench.py``, docs/BENCHMARKS.md). Here a handler publishes each update (a small JSON object: the new
 token spans, cycle-log rows and counters) to a ``Channel``; the page's script opens
 ``GET /dfs/live/<key>`` as an ``EventSource`` and applies each message itself, without Gradio.
 
@@ -48,13 +47,16 @@ class Channel:
     def publish(self, message: str) -> None:
         with self._guard:
             self.messages.append(message)
-            wakers = list(self._wakers)
-        for loop, event in wakers:
-            loop.call_soon_threadsafe(event.set)
+        self._wake()
 
     def close(self) -> None:
         with self._guard:
             self.closed_at = time.monotonic()
+        self._wake()
+
+    def _wake(self) -> None:
+        """Wake the readers' streams (each waits in its own event loop)."""
+        with self._guard:
             wakers = list(self._wakers)
         for loop, event in wakers:
             loop.call_soon_threadsafe(event.set)

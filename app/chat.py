@@ -148,7 +148,7 @@ class ChatViews:
     ar_text: Any
     speedup: Any
     log: Any
-    live_update: Any  # a hidden textbox, applied by APPLY_LIVE_UPDATE_JS like the Live tab's
+    live_update: Any  # a hidden textbox naming the event stream of the answer's updates, as in the Live tab
     answer: Any  # the dropdown of answers a baseline can time
 
     def all(self) -> list[Any]:

@@ -12,7 +12,6 @@ channel of their own (``published_runs``, app/channel.py), not as Gradio message
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import threading
@@ -124,7 +123,6 @@ def live_runs(engine: Any, prompt_ids: list[int], runs: list[tuple[str, Generati
     from . import render
     from .recording import RunRecord
 
-    sequence = itertools.count()  # consecutive updates must differ, or the page sees no change
     for mode, config in runs:
         if stop.is_set() or (abandoned is not None and abandoned()):
             return
@@ -132,7 +130,7 @@ def live_runs(engine: Any, prompt_ids: list[int], runs: list[tuple[str, Generati
         run = BackgroundRun(engine, prompt_ids, config, should_stop=stop.is_set, abandoned=abandoned)
         record = records[mode] = RunRecord(mode, started=run.started)
         for tokens, cycles in recorded_batches(run, record, engine.tokenizer):
-            update = {"run": run_id, "seq": next(sequence), mode: render.token_spans(tokens, mode),
+            update = {"run": run_id, mode: render.token_spans(tokens, mode),
                       f"{mode}_counters": render.counters_inner(record, COUNTER_LABELS[mode])}
             if panes:
                 update["panes"] = panes

@@ -55,8 +55,8 @@ EXAMPLES = [
 ]
 
 
-# Applies live updates (see Studio.compare) in the browser: a box value {"subscribe": url} opens
-# the run's event stream (app/channel.py), whose every message is an update; an update appends
+# Applies live updates (see Studio.compare) in the browser: the box's value {"subscribe": url}
+# opens the run's event stream (app/channel.py), whose every message is an update; an update appends
 # the new tokens to the text panes, puts the new cycles on top of the log and replaces the
 # counters, in arrival order, in the panes of the run it belongs to (a pane is emptied, and tagged
 # with its run, at the start of every run). An update may name its panes ({key: CSS selector}, as
@@ -96,14 +96,10 @@ APPLY_LIVE_UPDATE_JS = """
     }
   });
   if (payload) {
-    const message = JSON.parse(payload);
-    if (message.subscribe) {
-      const base = ((window.gradio_config && window.gradio_config.root) || window.location.origin).replace(/\\/$/, '');
-      const source = new EventSource(base + message.subscribe);
-      source.onmessage = (event) => { live.queue.push(JSON.parse(event.data)); live.drain(); };
-      source.addEventListener('end', () => source.close());
-      source.onerror = () => { if (source.readyState === EventSource.CLOSED) source.close(); };
-    } else { live.queue.push(message); live.drain(); }
+    const base = ((window.gradio_config && window.gradio_config.root) || window.location.origin).replace(/\\/$/, '');
+    const source = new EventSource(base + JSON.parse(payload).subscribe);
+    source.onmessage = (event) => { live.queue.push(JSON.parse(event.data)); live.drain(); };
+    source.addEventListener('end', () => source.close());
   }
   return [];
 }
@@ -136,7 +132,7 @@ class LiveViews:
     ar_counters: Any
     speedup: Any
     log: Any
-    live_update: Any  # a hidden textbox: each value is one live update (APPLY_LIVE_UPDATE_JS)
+    live_update: Any  # a hidden textbox: each value names a run's event stream (APPLY_LIVE_UPDATE_JS)
     plots: dict[str, Any]  # charts.CHARTS' name -> its gr.Plot
 
     def all(self) -> list[Any]:

@@ -135,7 +135,7 @@ def test_the_baseline_runs_for_an_earlier_answer_on_its_own_prompt_and_leaves_th
     assert len(beside) == 1 and "answer 1" in beside[0][v.counters]
     assert beside[0][v.log] == cycle_log_html(history[1]["record"])
     live = live_messages(updates, v.live_update)
-    assert live and all(set(u) == {"run", "seq", "ar", "ar_counters", "panes"} for u in live)
+    assert live and all(set(u) == {"run", "ar", "ar_counters", "panes"} for u in live)
     assert timed[1]["note"] in updates[-1][v.conversation]
     # Nothing to time, or an engine error on the way: said, and the conversation is untouched.
     assert "No answer to time yet" in list(studio.chat.time_answer(None, [], Request()))[-1][v.status]

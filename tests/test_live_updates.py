@@ -97,17 +97,23 @@ def test_a_closed_page_frees_the_engine_within_a_cycle(studio):
     assert studio._stops == {} and channel.closed_at is not None
 
 
-def test_closing_the_generator_still_frees_the_engine(studio):
-    """Gradio closes a handler whose page went away at its next yield (between two runs)."""
+def test_a_handler_closed_before_its_run_starts_none_and_closes_its_stream(studio):
+    """Gradio closes a handler whose page went away at its next yield: the status line a run
+    starts with. Nothing may run after that, and the run's event stream ends."""
     v = studio.views
     engine = studio.service.engine(None)
+    runs_before = engine.runs
     updates = run_compare(studio, 1500, baseline=False)
+    seen = []
     for update in updates:
-        if v.live_update in update:
+        seen.append(update)
+        if "running" in update.get(v.status, ""):
             break
-    channel = live_channel([update], v.live_update)
+    channel = live_channel(seen, v.live_update)
     updates.close()
-    assert not engine.busy and studio._stops == {} and channel.closed_at is not None
+    assert engine.runs == runs_before and not engine.busy
+    assert channel.closed_at is not None and channel.messages == []
+    assert studio._stops == {}
 
 
 def test_teaching_mode_shows_mask_slots_as_mask(studio):
