@@ -118,3 +118,58 @@ def test_llama_cpp_method_without_llama_cpp_python_names_the_make_target(monkeyp
     with pytest.raises(PeerUnavailableError, match=r"make peers.*pip install -e '\.\[peers\]'") as info:
         LlamaCppPeer("model.gguf", threads=1)
     assert isinstance(info.value, DFlashError)
+
+
+def test_partings_name_the_token_and_both_numerics_margins(smollm2_engine):
+    """A peer that parts from AR is explained at the first differing token: both numerics score
+    the AR token far above an unlikely one; a peer that only stops early has no margin to give;
+    an equal peer is not listed."""
+    from dflash_core.bench.partings import partings
+    from dflash_core.bench.runner import MethodRun, PromptRecord
+    from dflash_core.request import Request
+    from dflash_core.speculative import collect
+
+    engine = smollm2_engine
+    resolved = engine.resolve(Request(prompt="Name a fruit.", max_new_tokens=6, block_size=1))
+    ar = collect(engine.stream_ids(resolved.prompt_ids, resolved.config)).token_ids
+    unlikely = 7  # an unused special token, never the argmax
+    record = PromptRecord(0, len(resolved.prompt_ids), prompt_ids=list(resolved.prompt_ids))
+    record.runs = {"ar": MethodRun("ar", ar, 1.0), "hf_dflash": MethodRun("hf_dflash", ar[:3] + [unlikely] + ar[4:], 1.0),
+                   "llama_cpp": MethodRun("llama_cpp", ar[:4], 1.0), "hf_generate": MethodRun("hf_generate", list(ar), 1.0)}
+    found = partings(engine, [record])
+    parted = found["hf_dflash_vs_ar"][0]
+    assert parted["at"] == 3 and parted["reference_token"] == ar[3] and parted["peer_token"] == unlikely
+    assert parted["margins"]["ours"] > 5 and parted["margins"]["transformers"] > 5
+    assert found["llama_cpp_vs_ar"] == {0: {"at": 4, "margins": None}}
+    assert found["hf_generate_vs_ar"] == {} and found["hf_dflash_vs_hf_generate"][0]["at"] == 3
+
+
+def test_tau_on_shared_text_counts_only_the_prompts_where_transformers_text_equals_ours():
+    from dflash_core.bench.runner import MethodRun, PromptRecord, summarize
+    from dflash_core.speculative import CycleEvent, GenerationResult
+
+    def cycle(index: int, accepted: int) -> CycleEvent:
+        return CycleEvent(index, index, [9] * 3, [1.0] * 3, [9] * 4, accepted, 9, [9] * (accepted + 1), 0.0, 0.0, 0)
+
+    def record(index: int, hf_tokens: list[int], hf_lengths: list[int]) -> PromptRecord:
+        ours = GenerationResult([1, 2, 3, 4, 5], "length", [cycle(0, 0), cycle(1, 2), cycle(2, 0)])
+        r = PromptRecord(index, 5)
+        r.runs = {"dflash": MethodRun("dflash", [1, 2, 3, 4, 5], 1.0, result=ours),
+                  "hf_dflash": MethodRun("hf_dflash", hf_tokens, 1.0, acceptance_lengths=hf_lengths)}
+        return r
+
+    s = summarize([record(0, [1, 2, 3, 4, 5], [3, 2]), record(1, [1, 2, 8, 4, 5], [1, 1, 1])], block_size=4, temperature=0.0)
+    assert s["tau_on_shared_text"] == {"prompts": [0], "ours": 2.0, "hf_dflash": 2.5}
+    assert summarize([record(1, [1, 2, 8], [1])], block_size=4, temperature=0.0)["tau_on_shared_text"] is None
+
+
+def test_the_report_lists_each_parting_with_its_margins():
+    from dflash_core.bench.report import _peer_lines
+
+    summary = {"partings": {"hf_dflash_vs_ar": {"3": {"at": 0, "reference_token": 11, "peer_token": 12,
+                                                      "margins": {"ours": 0.125, "transformers": -0.0625}}},
+                            "llama_cpp_vs_ar": {"1": {"at": 40, "margins": None}}, "hf_generate_vs_ar": {}}}
+    text = "\n".join(_peer_lines(summary))
+    assert "hf_dflash vs ar: 1, llama_cpp vs ar: 1, hf_generate vs ar: 0" in text
+    assert "| hf_dflash vs ar | 3 | 0 | 11 / 12 | 0.125 | -0.0625 |" in text
+    assert "| llama_cpp vs ar | 1 | 40 | one text ends first | – | – |" in text

@@ -74,6 +74,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         f"B={config.block_size}, T={config.temperature}, {args.max_new_tokens} new tokens")
     records = bench.run(prompts, warmup=args.warmup, log=log)
     summary = summarize(records, config.block_size, config.temperature)
+    if config.temperature == 0:
+        from .partings import partings
+
+        summary["partings"] = partings(engine, records)  # untimed: after every run
     settings = {
         "command": "python -m dflash_core " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
         "pair": engine.pair.name, "prompts": args.prompts, "offset": args.offset, "limit": len(prompts),

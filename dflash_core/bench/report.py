@@ -149,6 +149,34 @@ def _peer_lines(summary: dict[str, Any]) -> list[str]:
                       f"{summary.get('fastest_variant_vs_llama_cpp')}.", "",
                   "| method | decode tokens/s | / llama.cpp |", "|---|---|---|"]
         lines += [f"| {m} | {decode.get(m)} | {v} |" for m, v in vs_llama.items()]
+    shared = summary.get("tau_on_shared_text")
+    if shared:
+        lines += ["", f"On the {len(shared['prompts'])} prompts where transformers' DFlash text equals ours "
+                      f"(prompts {shared['prompts']}): tau ours {shared['ours']}, transformers {shared['hf_dflash']}."]
+    lines += _parting_lines(summary.get("partings") or {})
+    return lines
+
+
+def _parting_lines(partings: dict[str, dict[Any, dict[str, Any]]]) -> list[str]:
+    """Where greedy texts part, and each numerics' margin there (see bench/partings.py)."""
+    if not partings:
+        return []
+    rows = [(name, index, row) for name, by_prompt in partings.items() for index, row in by_prompt.items()]
+    counts = ", ".join(f"{name.replace('_vs_', ' vs ')}: {len(by_prompt)}" for name, by_prompt in partings.items())
+    lines = ["", f"Prompts where greedy texts part ({counts}). Margin: the logit of the second method's token minus "
+                 "the first's at the first differing position, after the shared prefix, in our runner and in "
+                 "transformers' forward (opposite signs and small sizes: a near-tie).", ""]
+    if not rows:
+        return lines
+    lines += ["| compared | prompt | at token | tokens (second / first) | margin ours | margin transformers |",
+              "|---|---|---|---|---|---|"]
+    for name, index, row in rows:
+        margins = row.get("margins")
+        if margins is None:
+            lines.append(f"| {name.replace('_vs_', ' vs ')} | {index} | {row['at']} | one text ends first | – | – |")
+        else:
+            lines.append(f"| {name.replace('_vs_', ' vs ')} | {index} | {row['at']} | {row['reference_token']} / "
+                         f"{row['peer_token']} | {margins['ours']} | {margins['transformers']} |")
     return lines
 
 

@@ -67,6 +67,7 @@ class PromptRecord:
     index: int
     prompt_tokens: int
     runs: dict[str, MethodRun] = field(default_factory=dict)
+    prompt_ids: list[int] = field(default_factory=list)  # what every method was given
 
 
 class Timer:
@@ -209,7 +210,8 @@ class Bench:
                         {"role": "user", "content": item.follow_ups[turn - 1]}])
                 asked = self.asked(conversation)
                 index = len(records)
-                record = PromptRecord(index, len(self.engine.resolve(asked).prompt_ids))
+                prompt_ids = self.engine.resolve(asked).prompt_ids
+                record = PromptRecord(index, len(prompt_ids), prompt_ids=list(prompt_ids))
                 order = self.methods[index % len(self.methods):] + self.methods[: index % len(self.methods)]
                 for method in order:
                     for run in self.run_method(method, asked):
@@ -298,6 +300,16 @@ def summarize(records: list[PromptRecord], block_size: int, temperature: float) 
     hf_lengths = [n for r in records if "hf_dflash" in r.runs for n in (r.runs["hf_dflash"].lengths or [])]
     summary["tau_hf_dflash"] = round(sum(hf_lengths) / len(hf_lengths), 4) if hf_lengths else None
     summary["speedup_vs_hf_dflash"] = _ratio(d, tps.get("hf_dflash", float("nan")))
+    # Where its text equals ours, both loops drafted from the same contexts with the same drafter,
+    # so the two taus should agree there (left: its full-vocabulary drafts, the end of the budget).
+    shared = [r for r in records if "hf_dflash" in r.runs and "dflash" in r.runs
+              and r.runs["hf_dflash"].tokens == r.runs["dflash"].tokens]
+    ours_shared = [c.accept_len for r in shared for c in r.runs["dflash"].result.cycles if c.drafted]
+    theirs_shared = [n for r in shared for n in (r.runs["hf_dflash"].lengths or [])]
+    summary["tau_on_shared_text"] = ({"prompts": [r.index for r in shared],
+                                      "ours": round(sum(ours_shared) / len(ours_shared), 4),
+                                      "hf_dflash": round(sum(theirs_shared) / len(theirs_shared), 4)}
+                                     if ours_shared and theirs_shared and temperature == 0 else None)
     # llama.cpp on the same GGUF: every method's decode speed against it (prefill excluded).
     llama = dtps.get("llama_cpp")
     summary["speedup_vs_llama_cpp"] = ({m: _ratio(v, llama) for m, v in dtps.items() if m != "llama_cpp"}
