@@ -3,13 +3,17 @@
 Decoding a 135M model on two cores is bound by reading its weights: every target forward
 streams ~270 MB of bf16 matrices. ``F.linear`` hands them to oneDNN in PyTorch's plain layout,
 and oneDNN reorders them into its blocked layout on every call; packing each weight once, at
-load time, removes that work from every forward (measured on this CPU, 30 layers' matrices
-in a row: 18.9 -> 12.7 ms for 2 rows, 26.1 -> 15.5 ms for 16 rows).
+load time, removes that work from every forward (docs/BENCHMARKS.md has the timings per CPU).
+fp32 weights are packed the same way: on CPUs without a native bf16 path (AVX2 only), where
+``dtype = "auto"`` runs the target in fp32 (``native_bf16``), the packed fp32 kernel is the fast
+one and, unlike ``F.linear``'s, gives every row the same numbers whatever the rows beside it.
 
 The engine's losslessness rests on batch invariance: a row's result must not depend on how many
-rows share its call (see ``target.py``). A packed weight is only used after a probe shows that,
-on this machine, its rows equal ``F.linear``'s bit for bit and do not change with the number of
-rows; otherwise (another CPU, another dtype, a GPU) the plain ``F.linear`` runs.
+rows share its call (see ``target.py``). A packed weight is only used after a probe shows, on
+this machine, one of two things: its rows equal ``F.linear``'s bit for bit for every row count
+but one (a lone row then still goes to ``F.linear``, whose matrix-vector path rounds its own
+way), or its rows do not change with the number of rows at all, a lone row included (then every
+input goes to it). Otherwise (another CPU, another dtype, a GPU) the plain ``F.linear`` runs.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ PROBE_ROWS = (2, 3, 16, 37)
 def _packing_available(weight: torch.Tensor) -> bool:
     return (
         weight.device.type == "cpu"
-        and weight.dtype == torch.bfloat16
+        and weight.dtype in (torch.bfloat16, torch.float32)
         and weight.dim() == 2
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
@@ -46,11 +50,34 @@ def probe_rows(in_features: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.randn(max(PROBE_ROWS), in_features, generator=generator).to(dtype)
 
 
-def _packed_matches(weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor) -> bool:
-    """Whether the packed weight gives ``F.linear``'s numbers, whatever the number of rows."""
+def native_bf16() -> bool:
+    """Whether oneDNN has a bf16 matrix path on this CPU (AVX-512 or AVX-NE-CONVERT and up). Without
+    one, bf16 matrices run on a generic path that costs more per row than fp32's (on an AVX2 CPU,
+    16 rows of the target's layers: 296 ms in bf16 against 63 ms packed fp32; docs/BENCHMARKS.md)."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), 16)
+    except RuntimeError:  # "bf16 path needs the cpu support avx_ne_convert or avx512bw, avx512vl ..."
+        return False
+    return True
+
+
+def _packed_rows(weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor) -> str | None:
+    """Which inputs the packed weight may serve without changing a number: "multi-row" (it equals
+    ``F.linear`` for every row count of the probe), "all" (its rows never change with the number of
+    rows, a lone row included), or None (neither: stay on ``F.linear``)."""
     probe = probe_rows(weight.shape[1], weight.dtype)
-    return rows_match(lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], ""),
-                      F.linear(probe, weight, bias), probe)
+
+    def call(x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+    if rows_match(call, F.linear(probe, weight, bias), probe):
+        return "multi-row"
+    own = call(probe)
+    if rows_match(call, own, probe) and torch.equal(call(probe[:1]), own[:1]):
+        return "all"
+    return None
 
 
 class Linear:
@@ -62,17 +89,20 @@ class Linear:
         self.weight = weight
         self.bias = bias
         self.packed: torch.Tensor | None = None
+        self.lone_row_packed = False  # whether a single row goes to the packed kernel too
         if pack and _packing_available(weight) and (bias is None or bias.dtype == weight.dtype):
             try:
                 packed = torch.ops.mkldnn._reorder_linear_weight(weight, 16)
-            except RuntimeError:  # a oneDNN build without this layout: stay on F.linear
+            except RuntimeError:  # a oneDNN build or CPU without this layout: stay on F.linear
                 packed = None
-            if packed is not None and _packed_matches(weight, bias, packed):
-                self.packed = packed
+            serves = _packed_rows(weight, bias, packed) if packed is not None else None
+            if serves is not None:
+                self.packed, self.lone_row_packed = packed, serves == "all"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        # A lone row goes to F.linear, so the result is F.linear's for every input.
-        if self.packed is not None and x.dtype == self.weight.dtype and x.numel() > x.shape[-1]:
+        # A lone row goes to F.linear unless the packed kernel rounds it as it rounds a block,
+        # so the result is either always F.linear's or never depends on the rows beside it.
+        if self.packed is not None and x.dtype == self.weight.dtype and (self.lone_row_packed or x.numel() > x.shape[-1]):
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 

@@ -16,7 +16,7 @@ import json
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -43,9 +43,23 @@ def cache_root() -> Path:
 
 def torch_dtype(name: str) -> torch.dtype:
     try:
-        return DTYPES[name]
+        return DTYPES[resolve_dtype(name)]
     except KeyError:
-        raise ModelLoadError(f"dtype {name!r} is not one of {', '.join(DTYPES)}") from None
+        raise ModelLoadError(f"dtype {name!r} is not one of auto, {', '.join(DTYPES)}") from None
+
+
+def resolve_dtype(name: str, device: str = "cpu") -> str:
+    """``"auto"``: bfloat16 where the device multiplies bf16 matrices natively (a CUDA GPU with
+    bf16 support; a CPU whose oneDNN has a bf16 path, ``kernels.native_bf16``), else float32:
+    without that path a 16-row bf16 pass costs several times an fp32 one, which turns a verify
+    block into a slowdown. Any other name is returned as it is."""
+    if name != "auto":
+        return name
+    if device.startswith("cuda") or device == "auto":
+        return "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float32"
+    from .kernels import native_bf16
+
+    return "bfloat16" if native_bf16() else "float32"
 
 
 def check_device(device: str) -> None:
@@ -178,6 +192,7 @@ def load_target(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     check_device("cuda" if device == "auto" else device)
+    dtype = resolve_dtype(dtype, device)
     location, extra = target_location(source, progress)
     kwargs: dict[str, Any] = {"dtype": torch_dtype(dtype), "trust_remote_code": False, **extra}
     if device == "auto":
@@ -324,6 +339,9 @@ class LoadedPair:
 
 
 def load_pair(pair: ModelPair, progress: Progress | None = None) -> LoadedPair:
+    """Both models of ``pair``; the ``LoadedPair``'s ``pair`` names the dtype they run in (``auto``
+    resolved for this machine, so the bench, the calibration cache and ``describe`` report it)."""
+    pair = replace(pair, dtype=resolve_dtype(pair.dtype, pair.target_device))
     target = load_target(pair.target, pair.dtype, pair.target_device, pair.quantization, pair.engine, progress,
                          weights=pair.weights)
     drafter = load_drafter(pair.drafter, target, pair.dtype, pair.drafter_device, progress)

@@ -30,7 +30,8 @@ from .errors import RegistryError
 
 SourceKind = Literal["hub", "path", "gguf", "random"]
 
-DTYPES = ("float32", "bfloat16", "float16")
+# "auto": bfloat16 where the device multiplies bf16 natively, else float32 (loading.resolve_dtype).
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("4bit", "8bit")
 WEIGHT_FORMATS = ("bf16", "int8", "int4")  # weight_formats.WEIGHT_FORMATS (kept here: this module imports no torch)
 PAIR_KEYS = {

@@ -51,11 +51,25 @@ def start_studio(port: int) -> subprocess.Popen:
     raise RuntimeError("the studio did not start in 240 s")
 
 
-def page_run(page, variant: str, max_new_tokens: int) -> dict:
-    """One Generate on the open page with the default example; what the page then shows."""
+def browser_cpu_s(executable: str) -> float:
+    """CPU seconds used so far by every running process of the browser (user + system)."""
+    import psutil
+
+    total = 0.0
+    for proc in psutil.process_iter(["exe", "cpu_times"]):
+        exe, times = proc.info.get("exe"), proc.info.get("cpu_times")
+        if exe and times and Path(exe).name.startswith(Path(executable).name):
+            total += times.user + times.system
+    return total
+
+
+def page_run(page, variant: str, max_new_tokens: int, browser_exe: str) -> dict:
+    """One Generate on the open page with the default example; what the page then shows, and the
+    share of a core the browser used while it ran (rendering competes with the engine)."""
     page.locator(f"#dfs-variant input[value={variant}]").check()
     page.locator("#dfs-max-new input[type=number]").fill(str(max_new_tokens))
     page.locator("#dfs-max-new input[type=number]").press("Enter")
+    cpu_before, wall_before = browser_cpu_s(browser_exe), time.perf_counter()
     page.locator("#dfs-generate").click()
     page.wait_for_function("() => (document.querySelector('#dfs-status')?.innerText || '').includes('running')",
                            timeout=240_000)
@@ -63,12 +77,13 @@ def page_run(page, variant: str, max_new_tokens: int) -> dict:
     # on the cores the engine is being timed on.
     page.wait_for_function("() => (document.querySelector('#dfs-status')?.innerText || '').includes('done')",
                            timeout=600_000, polling=500)
+    browser_core = (browser_cpu_s(browser_exe) - cpu_before) / (time.perf_counter() - wall_before)
     text = page.locator("#dfs-speedup").inner_text()
     match = SPEEDUP.search(text)
     if not match:
         raise RuntimeError(f"no speedup sentence on the page: {text!r}")
     return {"speedup": float(match.group(1)), "dflash_tok_s": float(match.group(2)),
-            "ar_tok_s": float(match.group(3)), "sentence": text.strip(),
+            "ar_tok_s": float(match.group(3)), "sentence": text.strip(), "browser_core": browser_core,
             "dflash_text": page.evaluate("() => Array.from(document.querySelectorAll("
                                          "'#dfs-dflash .tok:not(.tok-special)')).map(e => e.textContent).join('')")}
 
@@ -120,7 +135,7 @@ def main() -> int:
                 page.goto(f"http://127.0.0.1:{port}/", wait_until="load")
                 page.wait_for_function("() => (document.querySelector('#dfs-model-status')?.innerText || '')"
                                        ".includes('ready')", timeout=300_000)
-                shown = {variant: page_run(page, variant, args.max_new_tokens) for variant in variants}
+                shown = {variant: page_run(page, variant, args.max_new_tokens, chromium) for variant in variants}
                 browser.close()
             api = api_run(port, prompt, args.max_new_tokens)
         finally:
@@ -140,13 +155,16 @@ def main() -> int:
                 "page_dflash_tok_s": page_row["dflash_tok_s"], "cli_dflash_tok_s": round(cli["tok_s"], 2),
                 "page_speedup": page_row["speedup"], "cli_speedup": round(cli["tok_s"] / cli_ar["tok_s"], 3),
                 "cli_tau": cli["tau"], "same_text": page_row["dflash_text"] == cli["text"],
+                "browser_core": round(page_row["browser_core"], 3),
             })
-    print("| round | variant | AR page / CLI tok/s | DFlash page / CLI tok/s | speedup page / CLI | page/CLI speedup | same text |")
-    print("|---|---|---|---|---|---|---|")
+    print("| round | variant | AR page / CLI tok/s | DFlash page / CLI tok/s | speedup page / CLI | page/CLI speedup "
+          "| browser CPU while running (share of a core) | same text |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['round']} | {r['variant']} | {r['page_ar_tok_s']:.1f} / {r['cli_ar_tok_s']:.1f} "
-              f"| {r['page_dflash_tok_s']:.1f} / {r['cli_dflash_tok_s']:.1f} | {r['page_speedup']:.2f}x / "
-              f"{r['cli_speedup']:.2f}x | {r['page_speedup'] / r['cli_speedup']:.0%} | {r['same_text']} |")
+              f"({r['page_ar_tok_s'] / r['cli_ar_tok_s']:.0%}) | {r['page_dflash_tok_s']:.1f} / {r['cli_dflash_tok_s']:.1f} "
+              f"({r['page_dflash_tok_s'] / r['cli_dflash_tok_s']:.0%}) | {r['page_speedup']:.2f}x / "
+              f"{r['cli_speedup']:.2f}x | {r['page_speedup'] / r['cli_speedup']:.0%} | {r['browser_core']:.0%} | {r['same_text']} |")
     for variant in variants:
         ratios = [r["page_speedup"] / r["cli_speedup"] for r in rows if r["variant"] == variant]
         print(f"{variant}: page speedup / CLI speedup, median over rounds: {statistics.median(ratios):.0%}")

@@ -1,7 +1,8 @@
-"""Feasibility of weight-only int8 / int4 kernels for the target's linear layers on this CPU.
+"""The target's linear layers in each weight format on this CPU: bf16 and fp32 (plain and
+oneDNN-packed), weight-only int8 / int4.
 
 For SmolLM2-135M's 30 layers (fused QKV, O, fused gate/up, down: the matrices FastTarget runs),
-times one pass over all 120 matrices for 2, 16 and 32 rows in each weight format, interleaved
+times one pass over all 120 matrices for 2, 16 and 32 rows in each format, interleaved
 (every round runs every format in a rotated order), and reports medians; then checks, per format,
 batch invariance (a row's result equal bit for bit for 2 / 3 / 16 / 37 rows) and the distance to
 the exact result (fp32 math on the GGUF's exact dequantized weights). Also measures memory
@@ -23,7 +24,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dflash_core.kernels import Linear  # noqa: E402
+from dflash_core.kernels import Linear, native_bf16  # noqa: E402
 from dflash_core.loading import resolve_gguf  # noqa: E402
 from dflash_core.registry import load_registry  # noqa: E402
 from dflash_core.kernels import PROBE_ROWS, rows_match  # noqa: E402
@@ -71,20 +72,29 @@ def main() -> None:
     formats = {
         "bf16 F.linear": [[(lambda x, w=w: F.linear(x, w)) for w in layer] for layer in bf16],
         "bf16 oneDNN packed": [[Linear(w) for w in layer] for layer in bf16],
+        "fp32 F.linear": [[(lambda x, w=w: F.linear(x, w)) for w in layer] for layer in exact],
+        "fp32 oneDNN packed": [[Linear(w) for w in layer] for layer in exact],
         "int8 per-channel": [[Int8Weight(w) for w in layer] for layer in exact],
         "int4 Q4_1 blocks": [[Int4Weight(b) for b in layer] for layer in mats],
     }
-    packed_active = all(lin.packed is not None for layer in formats["bf16 oneDNN packed"] for lin in layer)
+    activations = {n: torch.float32 if n.startswith("fp32") else torch.bfloat16 for n in formats}
+    for n in ("bf16 oneDNN packed", "fp32 oneDNN packed"):
+        kernels = [lin for layer in formats[n] for lin in layer]
+        lone = sum(lin.lone_row_packed for lin in kernels)
+        print(f"{n}: {sum(lin.packed is not None for lin in kernels)} of {len(kernels)} matrices packed "
+              f"({lone} serve a lone row too); the others run F.linear")
+    bf16_bytes = sum(w.numel() * 2 for layer in bf16 for w in layer)
     nbytes = {
-        "bf16 F.linear": sum(w.numel() * 2 for layer in bf16 for w in layer),
+        "bf16 F.linear": bf16_bytes, "bf16 oneDNN packed": bf16_bytes,
+        "fp32 F.linear": 2 * bf16_bytes, "fp32 oneDNN packed": 2 * bf16_bytes,
         "int8 per-channel": sum(k.q.numel() + k.scales.numel() * 2 for layer in formats["int8 per-channel"] for k in layer),
         "int4 Q4_1 blocks": sum(k.packed.numel() + k.scales_zeros.numel() * 2 for layer in formats["int4 Q4_1 blocks"] for k in layer),
     }
-    nbytes["bf16 oneDNN packed"] = nbytes["bf16 F.linear"]
-    print(f"oneDNN packing active: {packed_active}; threads: {torch.get_num_threads()}")
+    print(f"oneDNN bf16 path on this CPU (kernels.native_bf16): {native_bf16()}; threads: {torch.get_num_threads()}")
 
     row_counts = [int(r) for r in args.rows.split(",")]
-    inputs = {r: [torch.randn(r, w.shape[1]).bfloat16() for w in bf16[0]] for r in row_counts}
+    base = {r: [torch.randn(r, w.shape[1]) for w in bf16[0]] for r in row_counts}
+    inputs = {(n, r): [x.to(activations[n]) for x in base[r]] for n in formats for r in row_counts}
 
     def one_pass(kernels, xs):
         for layer in kernels:
@@ -96,13 +106,13 @@ def main() -> None:
     with torch.inference_mode():
         for n in names:  # warm-up
             for r in row_counts:
-                one_pass(formats[n], inputs[r])
+                one_pass(formats[n], inputs[(n, r)])
         for round_ in range(args.rounds):
             order = names[round_ % len(names):] + names[: round_ % len(names)]
             for r in row_counts:
                 for n in order:
                     t = time.perf_counter()
-                    one_pass(formats[n], inputs[r])
+                    one_pass(formats[n], inputs[(n, r)])
                     times[(n, r)].append(time.perf_counter() - t)
 
         # Batch invariance and closeness, on every fused matrix of layers 0, 15 and 29.
@@ -111,10 +121,11 @@ def main() -> None:
         err = {n: [] for n in names}
         for li in (0, 15, 29):
             for mi, w in enumerate(exact[li]):
-                probe = torch.randn(max(PROBE_ROWS), w.shape[1]).bfloat16()
-                truth = probe.float() @ w.T
+                probe16 = torch.randn(max(PROBE_ROWS), w.shape[1]).bfloat16()
+                truth = probe16.float() @ w.T
                 for n in names:
                     kernel = formats[n][li][mi]
+                    probe = probe16.to(activations[n])
                     ref = kernel(probe)
                     invariant[n] &= rows_match(kernel, ref, probe)
                     lone_row[n] &= torch.equal(kernel(probe[:1]), ref[:1])

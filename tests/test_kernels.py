@@ -4,12 +4,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash_core.kernels import Linear
+from dflash_core.kernels import PROBE_ROWS, Linear, native_bf16
 from dflash_core.testing import tiny_target
 
 
 def _packing_expected() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    """bf16 weights can be packed: oneDNN has a bf16 path on this CPU (AVX-512 and up; not AVX2)."""
+    return native_bf16()
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -29,13 +30,47 @@ def test_packed_linear_equals_f_linear_for_every_row_count(bias):
     assert torch.equal(linear(x[5:21]), reference[5:21])
 
 
-def test_float32_weights_and_other_dtypes_stay_on_f_linear():
-    weight = torch.randn(64, 32)
+@pytest.mark.parametrize("bias", [False, True])
+def test_float32_weights_are_packed_only_where_no_row_changes_with_its_neighbours(bias):
+    """fp32 packing is used either as F.linear's equal (a lone row then stays on F.linear) or as
+    a kernel whose every row, a lone one included, is the same whatever rows share its call."""
+    g = torch.Generator().manual_seed(5)
+    weight = torch.randn(384, 192, generator=g) * 0.05
+    b = torch.randn(384, generator=g) * 0.1 if bias else None
+    linear = Linear(weight, b)
+    x = torch.randn(70, 192, generator=g)
+    if linear.packed is None:
+        assert torch.equal(linear(x), F.linear(x, weight, b))
+        pytest.skip("this machine's oneDNN packs no fp32 weight exactly")
+    whole = linear(x)
+    for rows in (1, 2, 3, 5, 16, 17, 64):
+        if rows == 1 and not linear.lone_row_packed:
+            assert torch.equal(linear(x[:1]), F.linear(x[:1], weight, b))
+        else:
+            assert torch.equal(linear(x[:rows]), whole[:rows]), rows
+    if not linear.lone_row_packed:  # the other way to qualify: F.linear's numbers on every block
+        assert torch.equal(whole, F.linear(x, weight, b))
+    torch.testing.assert_close(whole, F.linear(x, weight, b))
+
+
+def test_other_dtypes_and_unpacked_linears_stay_on_f_linear():
+    weight = torch.randn(64, 32).to(torch.float16)
     linear = Linear(weight)
     assert linear.packed is None
-    x = torch.randn(4, 32)
+    x = torch.randn(4, 32).to(torch.float16)
     assert torch.equal(linear(x), F.linear(x, weight))
     assert Linear(weight.to(torch.bfloat16), pack=False).packed is None
+    assert Linear(torch.randn(64, 32), pack=False).packed is None
+
+
+def test_native_bf16_agrees_with_what_packing_a_bf16_weight_does():
+    weight = torch.randn(PROBE_ROWS[-1], 64).to(torch.bfloat16)
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(weight, 16)
+        packs = True
+    except (RuntimeError, AttributeError):
+        packs = False
+    assert native_bf16() == (packs and torch.backends.mkldnn.is_available())
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])

@@ -42,7 +42,7 @@ def test_devices_can_differ_between_target_and_drafter(tmp_path):
         (GOOD_PAIR + "colour = 'blue'\n", r"\[pairs.p\]: unknown key\(s\) \['colour'\]. Allowed keys"),
         ("[pairs.p]\ndrafter = { path = 'd' }\n", "missing 'target'"),
         ("[pairs.p]\ntarget = { hub = 'org/m' }\n", "missing 'drafter'"),
-        (GOOD_PAIR + "dtype = 'float8'\n", "dtype = 'float8'; allowed: float32, bfloat16, float16"),
+        (GOOD_PAIR + "dtype = 'float8'\n", "dtype = 'float8'; allowed: auto, float32, bfloat16, float16"),
         (GOOD_PAIR + "device = 'tpu'\n", "device = 'tpu'; allowed"),
         (GOOD_PAIR + "block_size = 0\n", "block_size = 0; expected an integer >= 1"),
         (GOOD_PAIR + "block_size = 'big'\n", "block_size = 'big'"),
@@ -201,3 +201,18 @@ def _site_paths() -> list[str]:
     import sys
 
     return [p for p in sys.path if p.endswith("site-packages")] + site.getsitepackages()
+
+
+def test_dtype_auto_is_resolved_for_this_machine_and_the_loaded_pair_names_it(smollm2_engine):
+    """The CPU pairs ask for "auto": bfloat16 where oneDNN has a bf16 path here, else float32
+    (an AVX2 CPU's bf16 matrices cost several times fp32's); the loaded pair reports which."""
+    from dflash_core.kernels import native_bf16
+    from dflash_core.loading import resolve_dtype
+
+    assert load_registry().get("smollm2-135m").dtype == "auto"
+    expected = "bfloat16" if native_bf16() else "float32"
+    assert resolve_dtype("auto", "cpu") == expected
+    assert resolve_dtype("float16", "cpu") == "float16" and resolve_dtype("bfloat16", "cuda") == "bfloat16"
+    assert smollm2_engine.pair.dtype == expected
+    assert str(smollm2_engine.target.runner.dtype) == f"torch.{expected}"
+    assert smollm2_engine.describe()["dtype"] == expected

@@ -69,7 +69,8 @@ def add_gen_data_parser(sub: Any) -> None:
     )
     g.add_argument("--pair", help="take the target from this registry pair (default: the default pair)")
     g.add_argument("--target", help="or a target directly: hub id, local directory, or .gguf file")
-    g.add_argument("--target-dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
+    # auto: bf16 where this CPU multiplies bf16 natively, else fp32 (each shard records which ran).
+    g.add_argument("--target-dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
     g.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     g.add_argument("--prompts", type=Path, default=Path("assets/data/train_prompts.jsonl.gz"))
     g.add_argument("--data-dir", type=Path, required=True, help="where the shards and manifest.json go")
