@@ -111,16 +111,23 @@ def q4_1_blocks(gguf_path: str | Path, num_heads: int, num_kv_heads: int) -> dic
 
 # ----------------------------------------------------------------------------------- the kernels
 class Int4Weight:
-    """``x @ w.T`` through ``_weight_int4pack_mm_for_cpu`` for bf16 ``x`` (groups of 32)."""
+    """``x @ w.T`` through ``_weight_int4pack_mm_for_cpu`` (groups of 32), computed in bf16.
+
+    ``dtype`` is the activations': PyTorch's CPU kernel has a fast path for bf16 activations only
+    (fp32 ones take a generic loop that was over ten times slower here), so an fp32 model's rows
+    are rounded to bf16 on the way in and the result widened back."""
 
     fmt = "int4"
+    COMPUTE = torch.bfloat16
 
     def __init__(self, blocks: Q4Blocks, dtype: torch.dtype = torch.bfloat16) -> None:
         n, k = blocks.q.shape
         self.shape = (n, k)
+        self.dtype = dtype
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(blocks.q.contiguous(), 1)
         zero = blocks.m + 8 * blocks.d
-        self.scales_zeros = torch.stack((blocks.d, zero), dim=-1).transpose(0, 1).contiguous().to(dtype)
+        compute = self.COMPUTE if dtype == torch.float32 else dtype
+        self.scales_zeros = torch.stack((blocks.d, zero), dim=-1).transpose(0, 1).contiguous().to(compute)
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor) -> "Int4Weight":
@@ -128,7 +135,9 @@ class Int4Weight:
         return cls(quantize_q4(weight.float()), weight.dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_zeros)
+        compute = self.scales_zeros.dtype
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(compute), self.packed, GROUP, self.scales_zeros)
+        return out.to(x.dtype)
 
 
 class Int8Weight:

@@ -76,6 +76,7 @@ def main() -> None:
         "fp32 oneDNN packed": [[Linear(w) for w in layer] for layer in exact],
         "int8 per-channel": [[Int8Weight(w) for w in layer] for layer in exact],
         "int4 Q4_1 blocks": [[Int4Weight(b) for b in layer] for layer in mats],
+        "fp32 rows, int4 Q4_1 blocks (bf16 inside)": [[Int4Weight(b, torch.float32) for b in layer] for layer in mats],
     }
     activations = {n: torch.float32 if n.startswith("fp32") else torch.bfloat16 for n in formats}
     for n in ("bf16 oneDNN packed", "fp32 oneDNN packed"):
@@ -90,6 +91,7 @@ def main() -> None:
         "int8 per-channel": sum(k.q.numel() + k.scales.numel() * 2 for layer in formats["int8 per-channel"] for k in layer),
         "int4 Q4_1 blocks": sum(k.packed.numel() + k.scales_zeros.numel() * 2 for layer in formats["int4 Q4_1 blocks"] for k in layer),
     }
+    nbytes["fp32 rows, int4 Q4_1 blocks (bf16 inside)"] = nbytes["int4 Q4_1 blocks"]
     print(f"oneDNN bf16 path on this CPU (kernels.native_bf16): {native_bf16()}; threads: {torch.get_num_threads()}")
 
     row_counts = [int(r) for r in args.rows.split(",")]

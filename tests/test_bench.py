@@ -173,3 +173,17 @@ def test_the_report_lists_each_parting_with_its_margins():
     assert "hf_dflash vs ar: 1, llama_cpp vs ar: 1, hf_generate vs ar: 0" in text
     assert "| hf_dflash vs ar | 3 | 0 | 11 / 12 | 0.125 | -0.0625 |" in text
     assert "| llama_cpp vs ar | 1 | 40 | one text ends first | – | – |" in text
+
+
+def test_full_vocab_drafts_turns_the_draft_vocabulary_off_and_the_settings_say_so(tmp_path):
+    """The bundled drafter drafts over its 8,192-token draft vocabulary; transformers' assistant
+    cannot, so the hf_dflash comparison on equal terms turns ours off too."""
+    settings = {}
+    for flag in ([], ["--full-vocab-drafts"]):
+        out = tmp_path / ("full" if flag else "reduced")
+        assert cli.main(["bench", "--prompts", "heldout", "--limit", "1", "--max-new-tokens", "6", "--warmup", "0",
+                         "--methods", "dflash,ar", "--out", str(out), *flag]) == 0
+        data = json.loads((out / "results.json").read_text())
+        settings[bool(flag)] = data["settings"]["draft_vocab"]
+        assert data["summary"]["lossless"] is True
+    assert settings == {False: 8192, True: None}

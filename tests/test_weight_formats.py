@@ -165,3 +165,19 @@ def test_calibration_key_names_a_weight_only_format():
     assert "weights=" not in machine_key(bf16, "p", 16)  # bf16 keys as before
     runner = FastTarget(tiny_target("llama", dtype=torch.bfloat16), "int4")
     assert ("weights=int4" in machine_key(runner, "p", 16)) == (runner.weight_format == "int4")
+
+
+def test_int4_for_fp32_rows_computes_in_bf16_and_gives_fp32_back():
+    """An fp32 model's int4 layers round their rows to bf16 for the kernel's fast path: the result
+    is the bf16 kernel's, widened, and still the same for a row whatever rows share its call."""
+    if not kernel_available("int4"):
+        pytest.skip("this PyTorch has no int4 kernel")
+    torch.manual_seed(1)
+    blocks = quantize_q4(torch.randn(96, 128))
+    fp32, bf16 = Int4Weight(blocks, torch.float32), Int4Weight(blocks)
+    x = torch.randn(37, 128)
+    got = fp32(x)
+    assert got.dtype == torch.float32 and fp32.scales_zeros.dtype == torch.bfloat16
+    assert torch.equal(got, bf16(x.bfloat16()).float())
+    if row_invariant(bf16, 128, torch.bfloat16):
+        assert row_invariant(fp32, 128, torch.float32)

@@ -41,6 +41,9 @@ def add_bench_parser(sub: Any) -> None:
     b.add_argument("--prompt-lookup-tokens", type=int, default=10)
     b.add_argument("--warmup", type=int, default=1, help="prompts run once, untimed, before measuring")
     b.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    b.add_argument("--full-vocab-drafts", action="store_true",
+                   help="our drafter drafts over the whole vocabulary, not its draft vocabulary (as transformers' "
+                        "assistant does: the hf_dflash comparison on equal terms)")
     b.add_argument("--out", type=Path, required=True, help="directory for results.json and report.html")
     b.set_defaults(func=cmd_bench)
 
@@ -64,6 +67,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if not prompts:
         raise SettingsError(f"--offset {args.offset}: {args.prompts} has no prompts past it")
     engine = Engine.from_registry(args.pair, args.registry, progress=log)
+    if args.full_vocab_drafts:
+        engine.drafter.set_draft_vocab(None)
     request = Request(max_new_tokens=args.max_new_tokens, block_size=args.block_size, temperature=args.temperature,
                       seed=args.seed)
     bench = Bench(engine, request, args.methods, args.prompt_lookup_tokens, rules if args.temperature > 0 else ("match",))
@@ -86,6 +91,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "rules": list(bench.rules), "methods": list(args.methods), "warmup": args.warmup, "dtype": engine.pair.dtype,
         "runner": type(engine.target.runner).__name__, "threads": torch.get_num_threads(),
         "weights": getattr(engine.target.runner, "weight_format", "bf16"),
+        "draft_vocab": None if engine.drafter.draft_vocab is None else int(engine.drafter.draft_vocab.numel()),
         "machine": hardware_summary(), "torch": torch.__version__,
     }
     if "llama_cpp" in args.methods:
