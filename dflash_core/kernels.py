@@ -18,6 +18,8 @@ input goes to it). Otherwise (another CPU, another dtype, a GPU) the plain ``F.l
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -50,10 +52,11 @@ def probe_rows(in_features: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.randn(max(PROBE_ROWS), in_features, generator=generator).to(dtype)
 
 
+@functools.cache
 def native_bf16() -> bool:
     """Whether oneDNN has a bf16 matrix path on this CPU (AVX-512 or AVX-NE-CONVERT and up). Without
-    one, bf16 matrices run on a generic path that costs more per row than fp32's (on an AVX2 CPU,
-    16 rows of the target's layers: 296 ms in bf16 against 63 ms packed fp32; docs/BENCHMARKS.md)."""
+    one, bf16 matrices run on a generic path that costs more per row than fp32's (docs/BENCHMARKS.md,
+    "A CPU without bf16 matrix kernels"). Asked once per process: the CPU does not change."""
     if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
         return False
     try:

@@ -43,9 +43,9 @@ def cache_root() -> Path:
 
 def torch_dtype(name: str) -> torch.dtype:
     try:
-        return DTYPES[resolve_dtype(name)]
+        return DTYPES[name]
     except KeyError:
-        raise ModelLoadError(f"dtype {name!r} is not one of auto, {', '.join(DTYPES)}") from None
+        raise ModelLoadError(f"dtype {name!r} is not one of {', '.join(DTYPES)} (auto: see resolve_dtype)") from None
 
 
 def resolve_dtype(name: str, device: str = "cpu") -> str:
@@ -326,7 +326,7 @@ def load_drafter(
     cfg = target.config
     drafter.check_fits(int(cfg.num_hidden_layers), int(cfg.hidden_size), int(cfg.vocab_size), target.name)
     drafter.requires_grad_(False)
-    drafter = drafter.to(device=device, dtype=torch_dtype(dtype)).eval()
+    drafter = drafter.to(device=device, dtype=torch_dtype(resolve_dtype(dtype, device))).eval()
     drafter.pack_for_inference()
     return drafter
 

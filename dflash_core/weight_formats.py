@@ -123,7 +123,6 @@ class Int4Weight:
     def __init__(self, blocks: Q4Blocks, dtype: torch.dtype = torch.bfloat16) -> None:
         n, k = blocks.q.shape
         self.shape = (n, k)
-        self.dtype = dtype
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(blocks.q.contiguous(), 1)
         zero = blocks.m + 8 * blocks.d
         compute = self.COMPUTE if dtype == torch.float32 else dtype
