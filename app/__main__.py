@@ -29,6 +29,11 @@ def main() -> None:
         print("note: this Gradio's queue has no sleep_when_free; it polls at its own rate", file=sys.stderr)
     server_app, _, _ = demo.launch(server_name=host, server_port=port, share=os.environ.get("DFLASH_SHARE") == "1",
                                    css=css(), footer_links=["api"], show_error=True, prevent_thread_lock=True)
+    # The page's animation frames budgeted while nobody touches it (app/frame_budget.py).
+    from .frame_budget import IDLE_FRAMES_PER_S, serve_page_with_frame_budget
+
+    if IDLE_FRAMES_PER_S > 0 and not serve_page_with_frame_budget(server_app):
+        print("note: this Gradio serves its page elsewhere; its animation frames run unbudgeted", file=sys.stderr)
     # The OpenAI-compatible API on the same port, sharing the UI's engines (dflash_core.serving).
     from dflash_core.serving import build_router
 

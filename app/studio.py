@@ -456,7 +456,11 @@ def build_studio(service: StudioService | None = None) -> tuple[Studio, gr.Block
             for first in range(0, len(charts.CHARTS), charts.CHARTS_PER_ROW):
                 with gr.Row():
                     for chart in charts.CHARTS[first:first + charts.CHARTS_PER_ROW]:
-                        plots[chart.name] = gr.Plot(label=chart.label, elem_id=f"dfs-plot-{chart.name}")
+                        # Empty but drawn: the browser loads and compiles plotly.js with the page,
+                        # not after the first run, where it cost seconds of CPU just as a second
+                        # Generate started (scripts/studio_bench.py, docs/BENCHMARKS.md).
+                        plots[chart.name] = gr.Plot(chart.draw(None, None, service.max_block_size(default)),
+                                                    label=chart.label, elem_id=f"dfs-plot-{chart.name}")
 
         with gr.Tab("Chat"):
             with gr.Row():

@@ -4,7 +4,9 @@ Launches the studio (``python -m app``), opens it in Debian's Chromium through P
 default example with the default settings (and, with ``--variants fastest,plain``, each variant
 the page offers), reads the speedup sentence and counters the page shows, times ``/generate``
 through gradio_client, stops the studio, then runs ``python -m dflash_core generate`` for the same
-prompt and settings (AR, and each variant) and prints both side by side. Rounds alternate page and CLI, so slow drift of a shared machine falls
+prompt and settings (AR, and each variant) and prints both side by side. After each Generate it waits
+until the browser has drawn the results and is idle again, as a user reading them would; it also
+reports the browser's CPU idle and during each run, and the page's renderer time by kind. Rounds alternate page and CLI, so slow drift of a shared machine falls
 on both alike.
 
     python scripts/studio_bench.py [--rounds 2] [--variants fastest,plain] [--out runs/studio_bench.json]
@@ -63,12 +65,40 @@ def browser_cpu_s(executable: str) -> float:
     return total
 
 
-def page_run(page, variant: str, max_new_tokens: int, browser_exe: str) -> dict:
-    """One Generate on the open page with the default example; what the page then shows, and the
-    share of a core the browser used while it ran (rendering competes with the engine)."""
+# The page's renderer main thread, from Chrome's Performance domain: seconds spent in all tasks,
+# in scripts, in layout and in style recalculation (where the browser's share of the cores goes).
+RENDERER_METRICS = {"TaskDuration": "task_s", "ScriptDuration": "script_s", "LayoutDuration": "layout_s",
+                    "RecalcStyleDuration": "style_s", "LayoutCount": "layouts"}
+
+
+def renderer_metrics(cdp) -> dict[str, float]:  # noqa: ANN001
+    metrics = {m["name"]: m["value"] for m in cdp.send("Performance.getMetrics")["metrics"]}
+    return {key: metrics.get(name, 0.0) for name, key in RENDERER_METRICS.items()}
+
+
+def idle_browser_core(browser_exe: str, seconds: float = 5.0) -> float:
+    """The share of a core the browser uses with the page open and nothing running."""
+    cpu_before, wall_before = browser_cpu_s(browser_exe), time.perf_counter()
+    time.sleep(seconds)
+    return (browser_cpu_s(browser_exe) - cpu_before) / (time.perf_counter() - wall_before)
+
+
+def settle(browser_exe: str, below: float = 0.05, window_s: float = 0.5, limit_s: float = 15.0) -> None:
+    """Wait until the browser has drawn what the last run ended with (the plots come after the
+    status says done) and is idle again, as a user reading the result gives it time to."""
+    deadline = time.perf_counter() + limit_s
+    while time.perf_counter() < deadline and idle_browser_core(browser_exe, window_s) >= below:
+        pass
+
+
+def page_run(page, cdp, variant: str, max_new_tokens: int, browser_exe: str) -> dict:  # noqa: ANN001
+    """One Generate on the open page with the default example; what the page then shows, the
+    share of a core the browser used while it ran (rendering competes with the engine), and the
+    renderer main thread's time by kind."""
     page.locator(f"#dfs-variant input[value={variant}]").check()
     page.locator("#dfs-max-new input[type=number]").fill(str(max_new_tokens))
     page.locator("#dfs-max-new input[type=number]").press("Enter")
+    metrics_before = renderer_metrics(cdp)
     cpu_before, wall_before = browser_cpu_s(browser_exe), time.perf_counter()
     page.locator("#dfs-generate").click()
     page.wait_for_function("() => (document.querySelector('#dfs-status')?.innerText || '').includes('running')",
@@ -77,13 +107,18 @@ def page_run(page, variant: str, max_new_tokens: int, browser_exe: str) -> dict:
     # on the cores the engine is being timed on.
     page.wait_for_function("() => (document.querySelector('#dfs-status')?.innerText || '').includes('done')",
                            timeout=600_000, polling=500)
-    browser_core = (browser_cpu_s(browser_exe) - cpu_before) / (time.perf_counter() - wall_before)
+    wall = time.perf_counter() - wall_before
+    browser_core = (browser_cpu_s(browser_exe) - cpu_before) / wall
+    renderer = {key: round((value - metrics_before[key]) / (1 if key == "layouts" else wall), 4)
+                for key, value in renderer_metrics(cdp).items()}
+    settle(browser_exe)
     text = page.locator("#dfs-speedup").inner_text()
     match = SPEEDUP.search(text)
     if not match:
         raise RuntimeError(f"no speedup sentence on the page: {text!r}")
     return {"speedup": float(match.group(1)), "dflash_tok_s": float(match.group(2)),
             "ar_tok_s": float(match.group(3)), "sentence": text.strip(), "browser_core": browser_core,
+            "renderer": renderer,
             "dflash_text": page.evaluate("() => Array.from(document.querySelectorAll("
                                          "'#dfs-dflash .tok:not(.tok-special)')).map(e => e.textContent).join('')")}
 
@@ -135,7 +170,10 @@ def main() -> int:
                 page.goto(f"http://127.0.0.1:{port}/", wait_until="load")
                 page.wait_for_function("() => (document.querySelector('#dfs-model-status')?.innerText || '')"
                                        ".includes('ready')", timeout=300_000)
-                shown = {variant: page_run(page, variant, args.max_new_tokens, chromium) for variant in variants}
+                cdp = page.context.new_cdp_session(page)
+                cdp.send("Performance.enable")
+                idle_core = idle_browser_core(chromium)
+                shown = {variant: page_run(page, cdp, variant, args.max_new_tokens, chromium) for variant in variants}
                 browser.close()
             api = api_run(port, prompt, args.max_new_tokens)
         finally:
@@ -155,7 +193,8 @@ def main() -> int:
                 "page_dflash_tok_s": page_row["dflash_tok_s"], "cli_dflash_tok_s": round(cli["tok_s"], 2),
                 "page_speedup": page_row["speedup"], "cli_speedup": round(cli["tok_s"] / cli_ar["tok_s"], 3),
                 "cli_tau": cli["tau"], "same_text": page_row["dflash_text"] == cli["text"],
-                "browser_core": round(page_row["browser_core"], 3),
+                "browser_core": round(page_row["browser_core"], 3), "browser_idle_core": round(idle_core, 3),
+                "renderer_per_s": page_row["renderer"],
             })
     print("| round | variant | AR page / CLI tok/s | DFlash page / CLI tok/s | speedup page / CLI | page/CLI speedup "
           "| browser CPU while running (share of a core) | same text |")
@@ -165,6 +204,13 @@ def main() -> int:
               f"({r['page_ar_tok_s'] / r['cli_ar_tok_s']:.0%}) | {r['page_dflash_tok_s']:.1f} / {r['cli_dflash_tok_s']:.1f} "
               f"({r['page_dflash_tok_s'] / r['cli_dflash_tok_s']:.0%}) | {r['page_speedup']:.2f}x / "
               f"{r['cli_speedup']:.2f}x | {r['page_speedup'] / r['cli_speedup']:.0%} | {r['browser_core']:.0%} | {r['same_text']} |")
+    print("\nThe browser: share of a core idle (page open) and while each Generate ran; the renderer main "
+          "thread's seconds per second of the run in tasks / scripts / layout / style, and its layouts:")
+    for r in rows:
+        m = r["renderer_per_s"]
+        print(f"round {r['round']} {r['variant']}: idle {r['browser_idle_core']:.0%}, running {r['browser_core']:.0%}; "
+              f"renderer {m['task_s']:.3f} / {m['script_s']:.3f} / {m['layout_s']:.3f} / {m['style_s']:.3f}, "
+              f"{m['layouts']:.0f} layouts")
     for variant in variants:
         ratios = [r["page_speedup"] / r["cli_speedup"] for r in rows if r["variant"] == variant]
         print(f"{variant}: page speedup / CLI speedup, median over rounds: {statistics.median(ratios):.0%}")

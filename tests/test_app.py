@@ -214,3 +214,48 @@ def test_real_browser_runs_a_generation_and_shows_coloured_tokens_and_plots(app_
         assert page.locator("#dfs-log .tok-lookup").count() >= 1
         browser.close()
     assert shot.stat().st_size > 10_000
+
+
+FRAMES_IN = """(ms) => new Promise((done) => {
+  let frames = 0;
+  const began = performance.now();
+  const loop = () => { frames++; if (performance.now() - began < ms) requestAnimationFrame(loop); else done(frames); };
+  requestAnimationFrame(loop);
+})"""
+
+
+def test_an_untouched_page_asks_for_few_animation_frames_and_input_lifts_the_budget(app_url):
+    """Gradio's page keeps animation-frame loops running for as long as it is open (60 a second,
+    on the cores the engine is timed on); the studio's page hands frames over a few times a second
+    while nobody touches it, and at the display's rate for a while after any input."""
+    from playwright.sync_api import sync_playwright
+
+    from app.frame_budget import ACTIVE_S, IDLE_FRAMES_PER_S
+
+    # The script comes before Gradio's modules, which keep their own requestAnimationFrame.
+    with urllib.request.urlopen(app_url, timeout=30) as r:
+        html = r.read().decode()
+    assert html.index("dfsFrameBudget") < html.index('type="module"') < html.index("</head>")
+    chromium = shutil.which("chromium") or "/usr/bin/chromium"
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox", "--disable-gpu"])
+        page = open_studio(browser, app_url)
+        time.sleep(ACTIVE_S + 0.5)  # no input since the page opened
+        assert page.evaluate("() => window.dfsFrameBudget.throttled()")
+        # Unbudgeted, a frame loop runs ~60 times a second; a busy machine only lowers the count.
+        assert page.evaluate(FRAMES_IN, 2000) <= 2 * IDLE_FRAMES_PER_S + 3
+        # A cancelled frame callback is never called, budgeted or not.
+        assert page.evaluate("""() => new Promise((done) => {
+          let called = false;
+          cancelAnimationFrame(requestAnimationFrame(() => { called = true; }));
+          setTimeout(() => done(called), 600);
+        })""") is False
+        page.mouse.move(50, 50)
+        page.mouse.move(300, 200)
+        assert not page.evaluate("() => window.dfsFrameBudget.throttled()")
+        # The page still works: a Generate after the idle spell shows its tokens and plots.
+        generate_in_page(page, PROMPT, until="done", max_new_tokens=16)
+        assert page.locator("#dfs-dflash .tok").count() >= 3
+        page.wait_for_selector(f"#dfs-plot-{CHARTS[0].name} .js-plotly-plot, #dfs-plot-{CHARTS[0].name} .plotly",
+                               timeout=30_000)
+        browser.close()
