@@ -40,7 +40,10 @@ FRAME_BUDGET_JS = """
   const release = () => {
     timer = null;
     const due = waiting; waiting = new Map();
-    nativeFrame((time) => due.forEach((callback) => callback(time)));
+    // Each callback on its own, as the browser's own frames run them: one that throws stops no other.
+    nativeFrame((time) => due.forEach((callback) => {
+      try { callback(time); } catch (error) { setTimeout(() => { throw error; }); }
+    }));
   };
   window.requestAnimationFrame = (callback) => {
     if (!throttled()) return nativeFrame(callback);
