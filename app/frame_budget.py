@@ -7,8 +7,8 @@ browser shares the cores the engine is timed on: the studio's page, idle, cost C
 a core (``scripts/studio_bench.py``, "browser idle"; docs/BENCHMARKS.md).
 
 The script below hands frame callbacks over at most ``IDLE_FRAMES_PER_S`` times a second, all at
-once, while the user is not interacting; for ``ACTIVE_S`` after any pointer, key, wheel or scroll
-input it gets out of the way, so dragging a slider or hovering a chart runs at the display's rate.
+once, while the user is not interacting; for ``ACTIVE_S`` after any pointer, key, wheel, touch or
+text input it gets out of the way, so dragging a slider or hovering a chart runs at the display's rate.
 Live updates do not use frames (app/live.py's script appends as messages arrive), so a run shows
 the same tokens, counters and log at the same moments.
 
@@ -34,7 +34,8 @@ FRAME_BUDGET_JS = """
   const idleInterval = 1000 / %(fps)s, activeMs = %(active_ms)s;
   let lastInput = -Infinity, waiting = new Map(), nextId = -1, timer = null;
   const touched = () => { lastInput = performance.now(); };
-  for (const kind of ['pointerdown', 'pointermove', 'keydown', 'wheel', 'touchstart', 'scroll', 'input'])
+  // Not 'scroll': the live updates scroll the panes themselves; a user scrolls with these.
+  for (const kind of ['pointerdown', 'pointermove', 'keydown', 'wheel', 'touchstart', 'input'])
     window.addEventListener(kind, touched, {capture: true, passive: true});
   const throttled = () => performance.now() - lastInput >= activeMs;
   const release = () => {
