@@ -165,10 +165,10 @@ def test_real_browser_runs_a_generation_and_shows_coloured_tokens_and_plots(app_
         assert page.locator("#dfs-dflash .tok-target").count() >= 1
         assert page.locator("#dfs-dflash .tok").count() >= 5
         assert page.locator("#dfs-ar .tok-ar").count() >= 5
-        # Every declared chart comes with the last update; plotly draws it after the status says done.
+        # Every declared chart comes with the last update, with the run's data in it (the page opens
+        # with them drawn empty, traceless); plotly draws them after the status says done.
         for chart in CHARTS:
-            page.wait_for_selector(f"#dfs-plot-{chart.name} .js-plotly-plot, #dfs-plot-{chart.name} .plotly",
-                                   timeout=30_000)
+            page.wait_for_selector(f"#dfs-plot-{chart.name} .js-plotly-plot g.trace", timeout=30_000)
         speedup = page.locator("#dfs-speedup").inner_text()
         assert re.search(r"[\d.]+× faster than the target alone \([\d.]+ vs [\d.]+ tok/s\)", speedup), speedup
         assert "identical output" in speedup
@@ -240,6 +240,10 @@ def test_an_untouched_page_asks_for_few_animation_frames_and_input_lifts_the_bud
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox", "--disable-gpu"])
         page = open_studio(browser, app_url)
+        # The charts are drawn, empty, before any run (plotly.js loads with the page).
+        for chart in CHARTS:
+            page.wait_for_selector(f"#dfs-plot-{chart.name} .js-plotly-plot", timeout=30_000)
+            assert page.locator(f"#dfs-plot-{chart.name} g.trace").count() == 0
         time.sleep(ACTIVE_S + 0.5)  # no input since the page opened
         assert page.evaluate("() => window.dfsFrameBudget.throttled()")
         # Unbudgeted, a frame loop runs ~60 times a second; a busy machine only lowers the count.
@@ -256,6 +260,5 @@ def test_an_untouched_page_asks_for_few_animation_frames_and_input_lifts_the_bud
         # The page still works: a Generate after the idle spell shows its tokens and plots.
         generate_in_page(page, PROMPT, until="done", max_new_tokens=16)
         assert page.locator("#dfs-dflash .tok").count() >= 3
-        page.wait_for_selector(f"#dfs-plot-{CHARTS[0].name} .js-plotly-plot, #dfs-plot-{CHARTS[0].name} .plotly",
-                               timeout=30_000)
+        page.wait_for_selector(f"#dfs-plot-{CHARTS[0].name} .js-plotly-plot g.trace", timeout=30_000)
         browser.close()
