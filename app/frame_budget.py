@@ -94,7 +94,7 @@ class _HeadFirst:
             if message.get("more_body"):
                 return
             body = b"".join(chunks)
-            headers = [(k, v) for k, v in start.get("headers", [])]
+            headers = list(start.get("headers", []))
             is_html = any(k.lower() == b"content-type" and v.startswith(b"text/html") for k, v in headers)
             if is_html and b"<head>" in body:
                 body = body.replace(b"<head>", b"<head>" + self.snippet, 1)

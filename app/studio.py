@@ -457,8 +457,8 @@ def build_studio(service: StudioService | None = None) -> tuple[Studio, gr.Block
                 with gr.Row():
                     for chart in charts.CHARTS[first:first + charts.CHARTS_PER_ROW]:
                         # Empty but drawn: the browser loads and compiles plotly.js with the page,
-                        # not after the first run, where it cost seconds of CPU just as a second
-                        # Generate started (scripts/studio_bench.py, docs/BENCHMARKS.md).
+                        # not after the first run, just as a second Generate starts
+                        # (scripts/studio_bench.py, docs/BENCHMARKS.md).
                         plots[chart.name] = gr.Plot(chart.draw(None, None, service.max_block_size(default)),
                                                     label=chart.label, elem_id=f"dfs-plot-{chart.name}")
 
