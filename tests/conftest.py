@@ -47,6 +47,27 @@ def tiny_chat_target(tmp_path_factory):
     return load_target(ModelSource("path", str(folder)), "float32", "cpu")
 
 
+@pytest.fixture(scope="module")
+def engines_loaded_once():
+    """The CLI's ``Engine.from_registry`` loads each pair once for the module: each load costs
+    seconds (the kernel probes), and many runs on one engine also show that nothing of one
+    request carries into the next. Tests without this fixture load afresh, as the CLI does."""
+    from dflash_core.engine import Engine
+
+    load = Engine.from_registry.__func__
+    loaded: dict[tuple, Engine] = {}
+
+    def from_registry(cls, pair=None, registry=None, progress=None):  # noqa: ANN001, ANN202
+        if (pair, registry) not in loaded:
+            loaded[pair, registry] = load(cls, pair, registry, progress)
+        return loaded[pair, registry]
+
+    patch = pytest.MonkeyPatch()
+    patch.setattr(Engine, "from_registry", classmethod(from_registry))
+    yield loaded
+    patch.undo()
+
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

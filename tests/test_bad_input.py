@@ -35,7 +35,7 @@ CLI_ROWS = [r for r in BAD_INPUT_ROWS if r[0] != "block size non-integer"]  # ar
 
 
 @pytest.mark.parametrize("name, prompt, settings, message", CLI_ROWS, ids=[r[0] for r in CLI_ROWS])
-def test_cli(capsys, name, prompt, settings, message):
+def test_cli(capsys, engines_loaded_once, name, prompt, settings, message):
     args = ["generate", "--pair", "smollm2-135m-random", "--json", "--prompt", prompt]
     settings = {"max_new_tokens": 8, **settings}
     for key, value in settings.items():

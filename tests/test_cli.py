@@ -31,7 +31,7 @@ def run_json(capsys, *args: str) -> dict:
 
 
 @pytest.mark.parametrize("prompt", unseen_prompts(4))
-def test_default_pair_greedy_dflash_equals_ar(capsys, prompt):
+def test_default_pair_greedy_dflash_equals_ar(capsys, engines_loaded_once, prompt):
     dflash = run_json(capsys, "generate", "--json", "--prompt", prompt, "--max-new-tokens", "96")
     ar = run_json(capsys, "generate", "--json", "--prompt", prompt, "--max-new-tokens", "96", "--mode", "ar")
     assert dflash["token_ids"] == ar["token_ids"]
@@ -61,6 +61,7 @@ def test_default_pair_greedy_dflash_equals_ar(capsys, prompt):
     combined = run_json(capsys, "generate", "--json", "--prompt", prompt, "--max-new-tokens", "96", "--tree", "--lookup",
                         "--adaptive")
     assert combined["token_ids"] == ar["token_ids"]
+    assert len(engines_loaded_once) == 1
 
 
 def test_generate_json_has_the_documented_fields(capsys):
