@@ -2,14 +2,16 @@
 
 Launches the studio (``python -m app``), opens it in Debian's Chromium through Playwright, runs the
 default example with the default settings (and, with ``--variants fastest,plain``, each variant
-the page offers), reads the speedup sentence and counters the page shows, times ``/generate``
-through gradio_client, stops the studio, then runs ``python -m dflash_core generate`` for the same
-prompt and settings (AR, and each variant) and prints both side by side. After each Generate it waits
+the page offers), reads the speedup sentence and counters the page shows, runs ``python -m dflash_core generate``
+for the same prompt and settings (AR, and each variant), times ``/generate`` through gradio_client
+with the browser closed, and prints both side by side. After each Generate it waits
 until the browser has drawn the results and is idle again, as a user reading them would; it also
-reports the browser's CPU idle and during each run, and the page's renderer time by kind. Rounds alternate page and CLI, so slow drift of a shared machine falls
-on both alike.
+reports the browser's CPU idle and during each run, and the page's renderer time by kind. Within
+one studio's lifetime a Generate on the page and the CLI right after it alternate ``--repeats``
+times (the page open and idle while the CLI runs), so the shared machine's drift falls on both
+sides of each pair alike; it prints every pair and the median (range) of their ratios.
 
-    python scripts/studio_bench.py [--rounds 2] [--variants fastest,plain] [--out runs/studio_bench.json]
+    python scripts/studio_bench.py [--rounds 1] [--repeats 3] [--variants fastest,plain] [--out runs/studio_bench.json]
 """
 
 from __future__ import annotations
@@ -143,9 +145,16 @@ def cli_run(prompt: str, mode: str, flags: list[str], max_new_tokens: int) -> di
             "end_to_end_tok_s": out["num_tokens"] / (out["prefill_s"] + out["decode_s"])}
 
 
+def spread(values: list[float]) -> str:
+    """A median with its range, as percentages: "97% (88-104%)"."""
+    return f"{statistics.median(values):.0%} ({min(values):.0%}-{max(values):.0%})"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=1, help="studio processes, one after another")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="within each studio's lifetime: a Generate on the page, then the CLI, this many times")
     parser.add_argument("--variants", default="fastest,plain")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--out", type=Path)
@@ -173,34 +182,41 @@ def main() -> int:
                 cdp = page.context.new_cdp_session(page)
                 cdp.send("Performance.enable")
                 idle_core = idle_browser_core(chromium)
-                shown = {variant: page_run(page, cdp, variant, args.max_new_tokens, chromium) for variant in variants}
+                # Page, then CLI, then page again, in one studio's lifetime: the machine's drift
+                # falls on both sides of each pair alike, and the CLI runs while the page is open
+                # and idle, as "the CLI right after" does for a user.
+                for repeat in range(args.repeats):
+                    shown = {variant: page_run(page, cdp, variant, args.max_new_tokens, chromium) for variant in variants}
+                    cli_ar = cli_run(prompt, "ar", [], args.max_new_tokens)
+                    for variant in variants:
+                        cli = cli_run(prompt, "dflash", CLI_FLAGS[variant], args.max_new_tokens)
+                        page_row = shown[variant]
+                        rows.append({
+                            "round": round_index, "repeat": repeat, "variant": variant,
+                            "page_ar_tok_s": page_row["ar_tok_s"], "cli_ar_tok_s": round(cli_ar["tok_s"], 2),
+                            "page_dflash_tok_s": page_row["dflash_tok_s"], "cli_dflash_tok_s": round(cli["tok_s"], 2),
+                            "page_speedup": page_row["speedup"], "cli_speedup": round(cli["tok_s"] / cli_ar["tok_s"], 3),
+                            "cli_tau": cli["tau"], "same_text": page_row["dflash_text"] == cli["text"],
+                            "browser_core": round(page_row["browser_core"], 3), "browser_idle_core": round(idle_core, 3),
+                            "renderer_per_s": page_row["renderer"],
+                        })
                 browser.close()
-            api = api_run(port, prompt, args.max_new_tokens)
+            # /generate with no browser open (a Space's browser is remote), each call paired with
+            # the CLI right after it.
+            for repeat in range(args.repeats):
+                api = api_run(port, prompt, args.max_new_tokens)
+                cli_plain = cli_run(prompt, "dflash", [], args.max_new_tokens)
+                api_rows.append({"round": round_index, "repeat": repeat, "api_tok_s": round(api["tok_s"], 2),
+                                 "cli_tok_s": round(cli_plain["end_to_end_tok_s"], 2),
+                                 "same_text": api["text"] == cli_plain["text"]})
         finally:
             studio.terminate()
             studio.wait(30)
-        cli_ar = cli_run(prompt, "ar", [], args.max_new_tokens)
-        cli_runs = {variant: cli_run(prompt, "dflash", CLI_FLAGS[variant], args.max_new_tokens) for variant in variants}
-        cli_plain = cli_runs.get("plain") or cli_run(prompt, "dflash", [], args.max_new_tokens)
-        api_rows.append({"round": round_index, "api_tok_s": round(api["tok_s"], 2),
-                         "cli_tok_s": round(cli_plain["end_to_end_tok_s"], 2), "same_text": api["text"] == cli_plain["text"]})
-        for variant in variants:
-            cli = cli_runs[variant]
-            page_row = shown[variant]
-            rows.append({
-                "round": round_index, "variant": variant,
-                "page_ar_tok_s": page_row["ar_tok_s"], "cli_ar_tok_s": round(cli_ar["tok_s"], 2),
-                "page_dflash_tok_s": page_row["dflash_tok_s"], "cli_dflash_tok_s": round(cli["tok_s"], 2),
-                "page_speedup": page_row["speedup"], "cli_speedup": round(cli["tok_s"] / cli_ar["tok_s"], 3),
-                "cli_tau": cli["tau"], "same_text": page_row["dflash_text"] == cli["text"],
-                "browser_core": round(page_row["browser_core"], 3), "browser_idle_core": round(idle_core, 3),
-                "renderer_per_s": page_row["renderer"],
-            })
-    print("| round | variant | AR page / CLI tok/s | DFlash page / CLI tok/s | speedup page / CLI | page/CLI speedup "
+    print("| round.repeat | variant | AR page / CLI tok/s | DFlash page / CLI tok/s | speedup page / CLI | page/CLI speedup "
           "| browser CPU while running (share of a core) | same text |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['round']} | {r['variant']} | {r['page_ar_tok_s']:.1f} / {r['cli_ar_tok_s']:.1f} "
+        print(f"| {r['round']}.{r['repeat']} | {r['variant']} | {r['page_ar_tok_s']:.1f} / {r['cli_ar_tok_s']:.1f} "
               f"({r['page_ar_tok_s'] / r['cli_ar_tok_s']:.0%}) | {r['page_dflash_tok_s']:.1f} / {r['cli_dflash_tok_s']:.1f} "
               f"({r['page_dflash_tok_s'] / r['cli_dflash_tok_s']:.0%}) | {r['page_speedup']:.2f}x / "
               f"{r['cli_speedup']:.2f}x | {r['page_speedup'] / r['cli_speedup']:.0%} | {r['browser_core']:.0%} | {r['same_text']} |")
@@ -208,16 +224,21 @@ def main() -> int:
           "thread's seconds per second of the run in tasks / scripts / layout / style, and its layouts:")
     for r in rows:
         m = r["renderer_per_s"]
-        print(f"round {r['round']} {r['variant']}: idle {r['browser_idle_core']:.0%}, running {r['browser_core']:.0%}; "
+        print(f"{r['round']}.{r['repeat']} {r['variant']}: idle {r['browser_idle_core']:.0%}, running {r['browser_core']:.0%}; "
               f"renderer {m['task_s']:.3f} / {m['script_s']:.3f} / {m['layout_s']:.3f} / {m['style_s']:.3f}, "
               f"{m['layouts']:.0f} layouts")
+    print("\nPage against the CLI run right after it, median (range) over every pair:")
     for variant in variants:
-        ratios = [r["page_speedup"] / r["cli_speedup"] for r in rows if r["variant"] == variant]
-        print(f"{variant}: page speedup / CLI speedup, median over rounds: {statistics.median(ratios):.0%}")
+        mine = [r for r in rows if r["variant"] == variant]
+        print(f"{variant}: AR {spread([r['page_ar_tok_s'] / r['cli_ar_tok_s'] for r in mine])}, "
+              f"DFlash {spread([r['page_dflash_tok_s'] / r['cli_dflash_tok_s'] for r in mine])}, "
+              f"speedup {spread([r['page_speedup'] / r['cli_speedup'] for r in mine])}; "
+              f"same text in {sum(r['same_text'] for r in mine)} of {len(mine)}")
     print("\n/generate end to end (plain DFlash, submit to last update) against the CLI (prefill + decode):")
     for r in api_rows:
-        print(f"round {r['round']}: /generate {r['api_tok_s']:.1f} tok/s, CLI {r['cli_tok_s']:.1f} tok/s "
+        print(f"{r['round']}.{r['repeat']}: /generate {r['api_tok_s']:.1f} tok/s, CLI {r['cli_tok_s']:.1f} tok/s "
               f"({r['api_tok_s'] / r['cli_tok_s']:.0%}), same text: {r['same_text']}")
+    print(f"median (range): {spread([r['api_tok_s'] / r['cli_tok_s'] for r in api_rows])}")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"page": rows, "api": api_rows}, indent=2))
