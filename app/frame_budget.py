@@ -9,6 +9,8 @@ a core (``scripts/studio_bench.py``, "browser idle"; docs/BENCHMARKS.md).
 The script below hands frame callbacks over at most ``IDLE_FRAMES_PER_S`` times a second, all at
 once, while the user is not interacting; for ``ACTIVE_S`` after any pointer, key, wheel, touch or
 text input it gets out of the way, so dragging a slider or hovering a chart runs at the display's rate.
+Gradio's status-tracker timers stay on the budget even then: clicking Generate (or moving the
+mouse during a run) would otherwise run them every frame beside the engine.
 Live updates do not use frames (app/live.py's script appends as messages arrive), so a run shows
 the same tokens, counters and log at the same moments.
 
@@ -38,6 +40,10 @@ FRAME_BUDGET_JS = """
   for (const kind of ['pointerdown', 'pointermove', 'keydown', 'wheel', 'touchstart', 'input'])
     window.addEventListener(kind, touched, {capture: true, passive: true});
   const throttled = () => performance.now() - lastInput >= activeMs;
+  // Gradio's status trackers count a run's seconds in a frame loop, one per tracked output and one
+  // left over from the loading screen that never ends: a tenth of a second's precision needs no
+  // sixty frames a second, input or not (each of their frames is a Svelte flush of milliseconds).
+  const trackerTimer = () => (new Error().stack || '').includes('statustracker');
   const release = () => {
     timer = null;
     const due = waiting; waiting = new Map();
@@ -47,7 +53,7 @@ FRAME_BUDGET_JS = """
     }));
   };
   window.requestAnimationFrame = (callback) => {
-    if (!throttled()) return nativeFrame(callback);
+    if (!throttled() && !trackerTimer()) return nativeFrame(callback);
     const id = nextId--;  // negative: never one of the browser's own ids
     waiting.set(id, callback);
     if (timer === null) timer = setTimeout(release, idleInterval);

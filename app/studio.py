@@ -452,6 +452,8 @@ def build_studio(service: StudioService | None = None) -> tuple[Studio, gr.Block
                     speedup = gr.HTML(render.speedup_html(None, None, None), elem_id="dfs-speedup")
                     log = gr.HTML(render.cycle_log_html(None), elem_id="dfs-log")
                     live_update = gr.Textbox(visible="hidden", elem_id="dfs-live-update")
+                    # Where the runs' progress is "shown" (see go_btn.click): nothing is drawn for it.
+                    untracked = gr.State(None)
             plots = {}
             for first in range(0, len(charts.CHARTS), charts.CHARTS_PER_ROW):
                 with gr.Row():
@@ -537,10 +539,11 @@ def build_studio(service: StudioService | None = None) -> tuple[Studio, gr.Block
                                  ar_counters=a_counters, speedup=speedup, log=log, live_update=live_update,
                                  plots=plots)
         # No progress overlays on the outputs: the status line says what runs, and the browser
-        # keeps its time for the live updates.
+        # keeps its time for the live updates. Progress is tracked on a State, which draws nothing:
+        # each output tracked would run its own timer loop, visible or not, every frame of the run.
         go_btn.click(gpu(studio.compare), [pair, prompt, block, temperature, max_new, seed, baseline, adaptive, tree, lookup,
                                            thinking],
-                     studio.views.all(), show_progress="hidden",
+                     studio.views.all(), show_progress="hidden", show_progress_on=untracked,
                      concurrency_id="engine", concurrency_limit=1, api_visibility="private")
         live_update.change(None, live_update, None, js=APPLY_LIVE_UPDATE_JS, queue=False, api_visibility="private")
         variant.change(lambda name: (VARIANTS[name].adaptive, VARIANTS[name].tree, VARIANTS[name].lookup), variant,
@@ -560,11 +563,11 @@ def build_studio(service: StudioService | None = None) -> tuple[Studio, gr.Block
         chat_settings = [c_system, c_block, c_temperature, c_max, c_seed, c_baseline, c_variant, c_thinking]
         for trigger in (c_send.click, c_message.submit):
             trigger(gpu(chat.send), [c_pair, c_message, c_history, *chat_settings], chat.views.all(), show_progress="hidden",
-                    concurrency_id="engine", concurrency_limit=1, api_visibility="private")
+                    show_progress_on=untracked, concurrency_id="engine", concurrency_limit=1, api_visibility="private")
         c_regen.click(gpu(chat.regenerate), [c_pair, c_history, *chat_settings], chat.views.all(), show_progress="hidden",
-                      concurrency_id="engine", concurrency_limit=1, api_visibility="private")
+                      show_progress_on=untracked, concurrency_id="engine", concurrency_limit=1, api_visibility="private")
         c_time.click(gpu(chat.time_answer), [c_answer, c_history], chat.views.all(), show_progress="hidden",
-                     concurrency_id="engine", concurrency_limit=1, api_visibility="private")
+                     show_progress_on=untracked, concurrency_id="engine", concurrency_limit=1, api_visibility="private")
         c_clear.click(chat.clear, None, chat.views.all(), queue=False, api_visibility="private")
         c_stop.click(studio.stop, None, c_status, queue=False, api_visibility="private")
         c_live.change(None, c_live, None, js=APPLY_LIVE_UPDATE_JS, queue=False, api_visibility="private")

@@ -224,6 +224,20 @@ FRAMES_IN = """(ms) => new Promise((done) => {
 })"""
 
 
+def test_runs_track_their_progress_on_nothing_drawn(app_url):
+    """Each output a running event tracks gets a status tracker whose timer loop runs every frame
+    of the run, shown or not; the timed runs track theirs on a State, which draws nothing."""
+    with urllib.request.urlopen(app_url + "config", timeout=30) as r:
+        config = json.loads(r.read())
+    kinds = {c["id"]: c["type"] for c in config["components"]}
+    elem = {c.get("props", {}).get("elem_id"): c["id"] for c in config["components"]}
+    generate = [d for d in config["dependencies"] if any(t[0] == elem["dfs-generate"] for t in d["targets"])]
+    assert generate and len(generate[0]["outputs"]) > 5
+    for dependency in generate:
+        assert dependency["show_progress"] == "hidden"
+        assert [kinds[i] for i in dependency["show_progress_on"]] == ["state"]
+
+
 def test_an_untouched_page_asks_for_few_animation_frames_and_input_lifts_the_budget(app_url):
     """Gradio's page keeps animation-frame loops running for as long as it is open (60 a second,
     on the cores the engine is timed on); the studio's page hands frames over a few times a second
@@ -257,6 +271,11 @@ def test_an_untouched_page_asks_for_few_animation_frames_and_input_lifts_the_bud
         page.mouse.move(50, 50)
         page.mouse.move(300, 200)
         assert not page.evaluate("() => window.dfsFrameBudget.throttled()")
+        # Input lifts the budget, but not for Gradio's status-tracker timers (told apart by the
+        # script they come from): the same loop from a script of that name stays on the budget.
+        ordinary, tracker = page.evaluate(f"""(ms) => Promise.all([({FRAMES_IN})(ms),
+          (0, eval)('(' + ({FRAMES_IN}).toString() + ')\\n//# sourceURL=statustracker-probe.js')(ms)])""", 1000)
+        assert tracker <= IDLE_FRAMES_PER_S + 3 < ordinary
         # The page still works: a Generate after the idle spell shows its tokens and plots.
         generate_in_page(page, PROMPT, until="done", max_new_tokens=16)
         assert page.locator("#dfs-dflash .tok").count() >= 3
