@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 from typing import Any, Awaitable, Callable
 
-# As many as the live updates (app/live.py); what the page costs idle at each rate, and
+# A few a second, as the live updates (app/live.py); what the page costs idle at this rate, and
 # unbudgeted, is in docs/BENCHMARKS.md. DFLASH_UI_IDLE_FRAMES_PER_S=0 leaves the frames unbudgeted.
 IDLE_FRAMES_PER_S = float(os.environ.get("DFLASH_UI_IDLE_FRAMES_PER_S", "4"))
 ACTIVE_S = 2.0

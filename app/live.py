@@ -22,10 +22,10 @@ from dflash_core import compute
 from dflash_core.speculative import CycleEvent, GenerationConfig
 
 # Page updates while a run is going (each may carry several cycles). Every update costs the
-# browser, on the same cores as the engine, more than its few bytes suggest; 4 a second kept the
-# page smooth and cost the engine less than 10 did in scripts/studio_bench.py (docs/BENCHMARKS.md).
-# DFLASH_UI_UPDATES_PER_S changes it.
-UPDATES_PER_S = float(os.environ.get("DFLASH_UI_UPDATES_PER_S", "4"))
+# browser, on the same cores as the engine, more than its few bytes suggest: 4 a second cost the
+# engine less than 10 did, and 2 less than 4 (scripts/studio_bench.py, docs/BENCHMARKS.md), while
+# tokens still arrive every half second. DFLASH_UI_UPDATES_PER_S changes it.
+UPDATES_PER_S = float(os.environ.get("DFLASH_UI_UPDATES_PER_S", "2"))
 
 
 class BackgroundRun:
