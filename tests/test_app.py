@@ -231,11 +231,11 @@ def test_runs_track_their_progress_on_nothing_drawn(app_url):
         config = json.loads(r.read())
     kinds = {c["id"]: c["type"] for c in config["components"]}
     elem = {c.get("props", {}).get("elem_id"): c["id"] for c in config["components"]}
-    generate = [d for d in config["dependencies"] if any(t[0] == elem["dfs-generate"] for t in d["targets"])]
-    assert generate and len(generate[0]["outputs"]) > 5
-    for dependency in generate:
-        assert dependency["show_progress"] == "hidden"
-        assert [kinds[i] for i in dependency["show_progress_on"]] == ["state"]
+    for button in ("dfs-generate", "dfs-chat-send", "dfs-chat-regenerate", "dfs-chat-time"):
+        runs = [d for d in config["dependencies"] if any(t[0] == elem[button] for t in d["targets"])]
+        assert len(runs) == 1 and len(runs[0]["outputs"]) > 5, button
+        assert runs[0]["show_progress"] == "hidden"
+        assert [kinds[i] for i in runs[0]["show_progress_on"]] == ["state"], button
 
 
 def test_an_untouched_page_asks_for_few_animation_frames_and_input_lifts_the_budget(app_url):
