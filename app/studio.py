@@ -326,7 +326,10 @@ class Studio:
         Each update: {cycle, drafted, num_accepted, bonus (of the latest cycle), cycles (the
         indices of the cycles since the previous update), accepted and lengths (per such cycle:
         drafts kept, tokens committed), committed (the token ids since the previous update, the
-        cycles' in order), text, tokens, tau, finish_reason, token_ids}. Every list is flat:
+        cycles' in order), text, tokens, tau, finish_reason, token_ids, prefill_s, decode_s}. The
+        last two, like token_ids, come in the last update only: the engine's own wall time to the
+        first token and after it, as ``generate --json`` reports them, so that a client can tell
+        the engine's time from the transport's. Every list is flat:
         Gradio streams each update as a diff against the previous one, and its diff mangles
         deletions inside nested lists. Its inputs stay these five (raw HTTP clients send every
         input), so the Live tab's verification options are not among them.
@@ -343,11 +346,14 @@ class Studio:
         token_ids: list[int] = []
         text = IncrementalDetokenizer(engine.tokenizer, skip_special_tokens=True)
         lengths: list[int] = []
+        first_at: float | None = None
         try:
-            for batch in batches(BackgroundRun(engine, ids, cfg)):
+            run = BackgroundRun(engine, ids, cfg)
+            for batch in batches(run):
                 if not batch:
                     continue
                 committed: list[int] = []
+                first_at = batch[0][0] if first_at is None else first_at
                 for _, event in batch:
                     for token in event.committed:
                         text.push(token)
@@ -365,6 +371,8 @@ class Studio:
                     "text": engine.decode(token_ids) if final else text.text, "tokens": len(token_ids),
                     "tau": sum(lengths) / len(lengths) if lengths else None,
                     "finish_reason": last.finish_reason, "token_ids": token_ids if final else None,
+                    "prefill_s": round(first_at - run.started, 6) if final else None,
+                    "decode_s": round(batch[-1][0] - first_at, 6) if final else None,
                 }
         except DFlashError as exc:
             raise gr.Error(str(exc)) from None

@@ -49,13 +49,19 @@ def test_binds_loopback_only(app_server):
 
 
 def test_updates_carry_every_cycle_once_and_final_text_equals_the_cli(client, capsys):
+    submitted = time.perf_counter()
     job = client.submit(PROMPT, 48, 16, 0.0, default_pair(), api_name="/generate")
     updates = list(job)
+    wall_s = time.perf_counter() - submitted
     cycles = [c for u in updates for c in u["cycles"]]
     assert cycles == list(range(len(cycles))), cycles  # every cycle once, in order, in batches
     final = updates[-1]
     assert final["finish_reason"] in ("stop", "length")
     assert all(u["finish_reason"] is None and u["token_ids"] is None for u in updates[:-1])
+    assert all(u["prefill_s"] is None and u["decode_s"] is None for u in updates[:-1])
+    # The engine's own times, inside the client's: the rest is the transport's.
+    assert final["prefill_s"] > 0 and final["decode_s"] > 0
+    assert final["prefill_s"] + final["decode_s"] < wall_s
     assert sum(len(u["committed"]) for u in updates) == final["tokens"] == len(final["token_ids"])
     assert [t for u in updates for t in u["committed"]] == final["token_ids"]
     for u in updates:
