@@ -66,11 +66,14 @@ browser:
 demo: setup
 	$(PY) -m app
 
+# The suite in TEST_WORKERS pytest-xdist workers, each test file in one worker (its module fixtures,
+# models loaded once, stay shared); tests/conftest.py shares the cores out between them.
+TEST_WORKERS ?= 2
 test: setup browser
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 test-fast: setup
-	$(PY) -m pytest -q -m "not slow and not browser"
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow and not browser"
 
 # The bench's peers outside our engine (the `peers` extra: llama-cpp-python). No wheel fits this
 # machine, so pip builds llama.cpp from source once (minutes on 2 cores), tuned to this CPU.
