@@ -120,10 +120,14 @@ def _gguf_cache_dir(gguf: Path) -> Path:
     return cache_root() / "gguf" / f"{gguf.stem}-{key}"
 
 
+def _complete(converted: Path) -> bool:
+    return (converted / "config.json").is_file() and (converted / "model.safetensors").is_file()
+
+
 def converted_gguf_dir(gguf: Path, progress: Progress | None = None) -> Path:
     """A transformers directory (safetensors) holding the dequantized GGUF; converted once."""
     out = _gguf_cache_dir(gguf)
-    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+    if _complete(out):
         return out
     from safetensors.torch import save_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -144,9 +148,14 @@ def converted_gguf_dir(gguf: Path, progress: Progress | None = None) -> Path:
         save_model(model, str(tmp / "model.safetensors"))  # handles the tied embedding / LM head
         tokenizer.save_pretrained(tmp)
         (tmp / "dflash_source.json").write_text(json.dumps({"gguf": str(gguf)}) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)  # atomic: a half-written cache is never used
+        if not _complete(out):  # else another process converted it meanwhile, and may be reading it
+            if out.exists():
+                shutil.rmtree(out)
+            try:
+                tmp.rename(out)  # atomic: a half-written cache is never used
+            except OSError:
+                if not _complete(out):  # not a rival's finished copy: a real failure
+                    raise
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
