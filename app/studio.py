@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import threading
 from dataclasses import dataclass, fields, replace
@@ -109,6 +110,11 @@ VARIANTS = {  # the Live tab's variant switch: its choices' names -> variants of
     "fastest": dflash_variant(tree=True, lookup=True, adaptive=True),
     "plain": dflash_variant(),
 }
+
+
+# The variant switch sets the verification boxes: name -> [adaptive, tree, lookup].
+VARIANT_OPTIONS_JS = "(name) => (%s)[name]" % json.dumps(
+    {name: [v.adaptive, v.tree, v.lookup] for name, v in VARIANTS.items()})
 
 
 def variant_name(config: GenerationConfig) -> str:
@@ -554,8 +560,10 @@ def build_studio(service: StudioService | None = None) -> tuple[Studio, gr.Block
                      studio.views.all(), show_progress="hidden", show_progress_on=untracked,
                      concurrency_id="engine", concurrency_limit=1, api_visibility="private")
         live_update.change(None, live_update, None, js=APPLY_LIVE_UPDATE_JS, queue=False, api_visibility="private")
-        variant.change(lambda name: (VARIANTS[name].adaptive, VARIANTS[name].tree, VARIANTS[name].lookup), variant,
-                       [adaptive, tree, lookup], queue=False,
+        # In the browser, not on the server: the boxes are Generate's inputs, and a round trip lost
+        # the race with a Generate clicked right after the switch on a busy machine (the run then
+        # used the variant before).
+        variant.change(None, variant, [adaptive, tree, lookup], js=VARIANT_OPTIONS_JS, queue=False,
                        api_visibility="private")
         stop_btn.click(studio.stop, None, status, queue=False, api_visibility="private")
         t_start.click(gpu(studio.teach_start), [t_pair, t_prompt, t_block, t_max], [t_state, t_step, t_formula, t_text],
