@@ -18,11 +18,6 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def threads_per_worker(cores: int, workers: int) -> int:
-    """Torch threads for each of ``workers`` pytest-xdist workers sharing ``cores``."""
-    return max(1, cores // max(1, workers))
-
-
 # `make test` runs the suite in pytest-xdist workers (most tests are bound by Python's speed on a
 # tiny model, not by arithmetic). The workers share the cores out, before torch starts its thread
 # pool, and the studios and CLIs they start inherit the share: a thread pool whose cores are busy
@@ -30,7 +25,7 @@ def threads_per_worker(cores: int, workers: int) -> int:
 # times slower. A user's own OMP_NUM_THREADS is kept.
 if "PYTEST_XDIST_WORKER_COUNT" in os.environ and "OMP_NUM_THREADS" not in os.environ:
     os.environ["OMP_NUM_THREADS"] = os.environ["DFLASH_TEST_SHARED_THREADS"] = str(
-        threads_per_worker(os.cpu_count() or 1, int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+        max(1, (os.cpu_count() or 1) // max(1, int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
     if "torch" in sys.modules:  # a plugin imported it first: its pool exists but is not yet sized
         sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 

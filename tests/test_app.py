@@ -208,9 +208,9 @@ def test_real_browser_runs_a_generation_and_shows_coloured_tokens_and_plots(app_
         assert status["last_run"]["tokens"] < 1500
         page = open_studio(browser, app_url)
         # Plain DFlash, as published, is one click away; prompt lookup's drafts show in the log
-        # when it is on.
-        # The switch sets the verification boxes in the browser itself: they follow it at once,
-        # with the server out of reach (a Generate clicked right after once raced a round trip).
+        # when it is on. The switch sets the verification boxes in the browser itself: they follow
+        # it at once, with the server out of reach (a Generate clicked right after once raced a
+        # round trip).
         page.get_by_text("Verification options").click()
         page.wait_for_selector("#dfs-lookup input:checked", timeout=10_000)
         page.route("**/gradio_api/**", lambda route: route.abort())
