@@ -208,8 +208,16 @@ def test_real_browser_runs_a_generation_and_shows_coloured_tokens_and_plots(app_
         assert status["last_run"]["tokens"] < 1500
         page = open_studio(browser, app_url)
         # Plain DFlash, as published, is one click away; prompt lookup's drafts show in the log
-        # when it is on.
+        # when it is on. The switch sets the verification boxes in the browser, asking the server
+        # nothing: a Generate clicked right after it once raced that round trip on a busy machine.
+        page.get_by_text("Verification options").click()
+        page.wait_for_selector("#dfs-lookup input:checked", timeout=10_000)
+        calls: list[str] = []
+        page.on("request", lambda request: calls.append(request.url))
         page.locator("#dfs-variant input[value=plain]").check()
+        page.wait_for_function("() => ['adaptive', 'tree', 'lookup'].every("
+                               "(box) => document.querySelector(`#dfs-${box} input`).checked === false)", timeout=10_000)
+        assert not [url for url in calls if "/run/" in url or "/queue/join" in url], calls
         generate_in_page(page, "Say hi.", until="done")
         assert "plain DFlash" in page.locator("#dfs-status").inner_text()
         assert "tree of" not in page.locator("#dfs-log").inner_text()
