@@ -8,7 +8,14 @@ batch invariance (a row's result equal bit for bit for 2 / 3 / 16 / 37 rows) and
 the exact result (fp32 math on the GGUF's exact dequantized weights). Also measures memory
 read bandwidth, for the bytes-per-step limit.
 
-    /tmp/quiet.sh python scripts/weight_formats.py [--rounds 15]
+``--inductor`` adds fp32 through inductor's own C++ GEMM (max-autotune, frozen weights, the
+number of rows dynamic), which was faster than oneDNN's packed fp32 at a few rows on an AVX2 CPU,
+compiled by ``torch.compile`` (paid again in every process: with frozen weights nothing is reused
+from inductor's disk cache). ``--aoti`` adds the same kernels built ahead of time into an
+AOTInductor package, the form an engine could build once per machine and load; it reports the
+build's seconds, the load's and the package's size.
+
+    /tmp/quiet.sh python scripts/weight_formats.py [--rounds 15] [--inductor] [--aoti]
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -56,10 +64,92 @@ def bandwidth() -> tuple[float, float]:
     return x.numel() * 4 / min(read) / 1e9, 2 * y.numel() * 4 / min(copy) / 1e9
 
 
+class _AllMatrices(torch.nn.Module):
+    """Every fused matrix of the 30 layers as one module, for torch.compile: one call runs all
+    120 products (``x`` feeds the 576-wide inputs, ``x_down`` the down projections')."""
+
+    def __init__(self, exact: list[list[torch.Tensor]]) -> None:
+        super().__init__()
+        self.linears = torch.nn.ModuleList()
+        for layer in exact:
+            for w in layer:
+                linear = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
+                linear.weight.data.copy_(w)
+                self.linears.append(linear)
+
+    def forward(self, x: torch.Tensor, x_down: torch.Tensor) -> list[torch.Tensor]:
+        return [lin(x_down if lin.in_features != x.shape[1] else x) for lin in self.linears]
+
+
+def inductor_matrices(exact: list[list[torch.Tensor]]) -> tuple[list[list], Callable, float]:
+    """One compiled module of all 120 fp32 matrices (see ``_AllMatrices``): per-matrix callables
+    for the checks (each call computes all 120 products and keeps its own), a whole pass for the
+    timings (given one input per matrix kind), and the seconds compiling took for 2 rows and for
+    a lone row (inductor specializes a size of 1)."""
+    import torch._inductor.config as inductor_config
+
+    inductor_config.freezing = True  # weights become constants the C++ GEMM packs once
+    inductor_config.max_autotune = True
+    inductor_config.max_autotune_gemm_backends = "CPP,ATEN"
+    module = _AllMatrices(exact).eval()
+    compiled = torch.compile(module, dynamic=True)
+    width, down_width = exact[0][0].shape[1], exact[0][3].shape[1]
+    started = time.perf_counter()
+    with torch.inference_mode():  # the mode the timings and checks run in (a guard of the graph)
+        for rows in (2, 1):
+            compiled(torch.zeros(rows, width), torch.zeros(rows, down_width))
+    seconds = time.perf_counter() - started
+
+    def call(index: int, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        if x.shape[1] == width:
+            return compiled(x, torch.zeros(rows, down_width))[index]
+        return compiled(torch.zeros(rows, width), x)[index]
+
+    per_matrix = [[(lambda x, i=li * 4 + mi: call(i, x)) for mi in range(4)] for li in range(len(exact))]
+    return per_matrix, (lambda xs: compiled(xs[0], xs[3])), seconds
+
+
+def aoti_matrices(exact: list[list[torch.Tensor]]) -> tuple[list[list], Callable, dict[str, float]]:
+    """As ``inductor_matrices``, through an AOTInductor package of ``_AllMatrices`` (the number
+    of rows a dynamic dimension), built in a temporary folder and loaded back; also the build's
+    and the load's seconds and the package's MB."""
+    import tempfile
+
+    configs = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
+    module = _AllMatrices(exact).eval()
+    width, down_width = exact[0][0].shape[1], exact[0][3].shape[1]
+    rows = torch.export.Dim("rows", min=1, max=4096)
+    with tempfile.TemporaryDirectory() as folder:
+        package = Path(folder) / "matrices.pt2"
+        started = time.perf_counter()
+        with torch.no_grad():
+            program = torch.export.export(module, (torch.zeros(2, width), torch.zeros(2, down_width)),
+                                          dynamic_shapes=({0: rows}, {0: rows}))
+            torch._inductor.aoti_compile_and_package(program, package_path=str(package), inductor_configs=configs)
+        built = time.perf_counter() - started
+        started = time.perf_counter()
+        runner = torch._inductor.aoti_load_package(str(package))
+        cost = {"build_s": built, "load_s": time.perf_counter() - started, "mb": package.stat().st_size / 1e6}
+
+    def call(index: int, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0]
+        if x.shape[1] == width:
+            return runner(x, torch.zeros(n, down_width))[index]
+        return runner(torch.zeros(n, width), x)[index]
+
+    per_matrix = [[(lambda x, i=li * 4 + mi: call(i, x)) for mi in range(4)] for li in range(len(exact))]
+    return per_matrix, (lambda xs: runner(xs[0], xs[3])), cost
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--rows", default="2,16,32")
+    parser.add_argument("--inductor", action="store_true",
+                        help="add fp32 through inductor's C++ GEMM, compiled in this process (minutes)")
+    parser.add_argument("--aoti", action="store_true",
+                        help="add the same kernels from an AOTInductor package built and loaded here (minutes)")
     args = parser.parse_args()
     torch.manual_seed(0)
     pair = load_registry().get("smollm2-135m")
@@ -78,6 +168,15 @@ def main() -> None:
         "int4 Q4_1 blocks": [[Int4Weight(b) for b in layer] for layer in mats],
         "fp32 rows, int4 Q4_1 blocks (bf16 inside)": [[Int4Weight(b, torch.float32) for b in layer] for layer in mats],
     }
+    whole_pass = {}  # formats timed as one call over all matrices (a compiled module)
+    if args.inductor:
+        name = "fp32 inductor C++ GEMM (dynamic rows)"
+        formats[name], whole_pass[name], compile_s = inductor_matrices(exact)
+        print(f"{name}: compiled in {compile_s:.1f} s (2 rows, then a lone row)")
+    if args.aoti:
+        name = "fp32 AOTInductor package (dynamic rows)"
+        formats[name], whole_pass[name], cost = aoti_matrices(exact)
+        print(f"{name}: built in {cost['build_s']:.1f} s, {cost['mb']:.0f} MB, loaded in {cost['load_s']:.2f} s")
     activations = {n: torch.float32 if n.startswith("fp32") else torch.bfloat16 for n in formats}
     for n in ("bf16 oneDNN packed", "fp32 oneDNN packed"):
         kernels = [lin for layer in formats[n] for lin in layer]
@@ -92,14 +191,19 @@ def main() -> None:
         "int4 Q4_1 blocks": sum(k.packed.numel() + k.scales_zeros.numel() * 2 for layer in formats["int4 Q4_1 blocks"] for k in layer),
     }
     nbytes["fp32 rows, int4 Q4_1 blocks (bf16 inside)"] = nbytes["int4 Q4_1 blocks"]
+    for n in whole_pass:
+        nbytes[n] = 2 * bf16_bytes
     print(f"oneDNN bf16 path on this CPU (kernels.native_bf16): {native_bf16()}; threads: {torch.get_num_threads()}")
 
     row_counts = [int(r) for r in args.rows.split(",")]
     base = {r: [torch.randn(r, w.shape[1]) for w in bf16[0]] for r in row_counts}
     inputs = {(n, r): [x.to(activations[n]) for x in base[r]] for n in formats for r in row_counts}
 
-    def one_pass(kernels, xs):
-        for layer in kernels:
+    def one_pass(n, xs):
+        if n in whole_pass:
+            whole_pass[n](xs)
+            return
+        for layer in formats[n]:
             for kernel, x in zip(layer, xs):
                 kernel(x)
 
@@ -108,13 +212,13 @@ def main() -> None:
     with torch.inference_mode():
         for n in names:  # warm-up
             for r in row_counts:
-                one_pass(formats[n], inputs[(n, r)])
+                one_pass(n, inputs[(n, r)])
         for round_ in range(args.rounds):
             order = names[round_ % len(names):] + names[: round_ % len(names)]
             for r in row_counts:
                 for n in order:
                     t = time.perf_counter()
-                    one_pass(formats[n], inputs[(n, r)])
+                    one_pass(n, inputs[(n, r)])
                     times[(n, r)].append(time.perf_counter() - t)
 
         # Batch invariance and closeness, on every fused matrix of layers 0, 15 and 29.
