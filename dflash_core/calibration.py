@@ -52,6 +52,9 @@ def machine_key(target: TargetRunner, pair: str, block_size: int) -> str:
     weights = getattr(target, "weight_format", "bf16")
     if weights != "bf16":  # int4 / int8 kernels cost differently per row (bf16 keys stay as they were)
         parts.append(f"weights={weights}")
+    kernels = getattr(target, "kernels", "onednn")
+    if kernels != "onednn":  # other kernels, other costs per row (oneDNN keys stay as they were)
+        parts.append(f"kernels={kernels}")
     return " | ".join(parts)
 
 

@@ -210,6 +210,7 @@ class Engine:
             "block_size": self.max_block_size,
             "dtype": self.pair.dtype,
             "runner": type(self.target.runner).__name__,
+            "kernels": getattr(self.target.runner, "kernels", None),  # FastTarget's: onednn | aoti
             "enable_thinking": self.pair.enable_thinking,
             "thinking_switch": self.thinking_switch,
         }

@@ -197,6 +197,7 @@ def load_target(
     engine: str = "auto",
     progress: Progress | None = None,
     weights: str = "bf16",
+    kernels: str = "onednn",
 ) -> LoadedTarget:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -232,9 +233,13 @@ def load_target(
         raise ModelLoadError(f"could not load target {source.describe()}: {exc}{hint}") from exc
     model.eval()
     model.requires_grad_(False)
-    runner = make_runner(model, engine, weights, _q4_blocks(source, model, weights, progress))
+    if kernels == "aoti":
+        _say(progress, "Target matrices: inductor's C++ GEMM (built once per machine and shape: minutes the first time)")
+    runner = make_runner(model, engine, weights, _q4_blocks(source, model, weights, progress), kernels)
     if weights != "bf16":
         _say(progress, f"Target weights: {getattr(runner, 'weight_note', 'bf16 (this engine has no weight-only kernels)')}")
+    if kernels != "onednn":
+        _say(progress, f"Target kernels: {getattr(runner, 'kernel_note', 'oneDNN (this engine has no AOTInductor kernels)')}")
     if getattr(runner, "batch_invariant", None) is False:
         _say(progress, "This CPU's kernels round a position by the size of its pass: greedy DFlash "
                        "matches the target's own greedy output within rounding, not bit for bit")
@@ -352,7 +357,7 @@ def load_pair(pair: ModelPair, progress: Progress | None = None) -> LoadedPair:
     resolved for this machine, so the bench, the calibration cache and ``describe`` report it)."""
     pair = replace(pair, dtype=resolve_dtype(pair.dtype, pair.target_device))
     target = load_target(pair.target, pair.dtype, pair.target_device, pair.quantization, pair.engine, progress,
-                         weights=pair.weights)
+                         weights=pair.weights, kernels=pair.kernels)
     drafter = load_drafter(pair.drafter, target, pair.dtype, pair.drafter_device, progress)
     _say(progress, "Models ready")
     return LoadedPair(pair=pair, target=target, drafter=drafter)

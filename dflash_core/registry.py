@@ -34,6 +34,7 @@ SourceKind = Literal["hub", "path", "gguf", "random"]
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("4bit", "8bit")
 WEIGHT_FORMATS = ("bf16", "int8", "int4")  # weight_formats.WEIGHT_FORMATS (kept here: this module imports no torch)
+KERNELS = ("onednn", "aoti")  # aoti_kernels.KERNELS
 PAIR_KEYS = {
     "description": "free text shown in the UI and `pairs`",
     "target": "{ hub = ID } | { path = DIR_OR_GGUF } | { package = DIST, gguf_file = PATH_IN_DIST }",
@@ -47,6 +48,9 @@ PAIR_KEYS = {
     "engine": "auto | fast | hf (auto: our static-cache engine when the target's family allows it)",
     "weights": " | ".join(WEIGHT_FORMATS) + " (default bf16): how the fast engine reads the target's layer weights "
                "on CPU; int4/int8 run weight-only kernels where a probe finds them exact per row, else bf16",
+    "kernels": " | ".join(KERNELS) + " (default onednn): the fast engine's kernels for the target's full-precision "
+               "matrices on CPU; aoti builds inductor's C++ GEMM once per machine (minutes) and uses it where a probe "
+               "finds it exact per row, else oneDNN",
     "enable_thinking": "true | false: the chat template's thinking switch (default: the template's own); "
                        "set it to what the drafter was trained with",
     "gpu_memory_gb": "number > 0: GPU memory the pair needs, in GiB (target + drafter weights and working memory)",
@@ -94,6 +98,7 @@ class ModelPair:
     enable_thinking: bool | None = None
     gpu_memory_gb: float | None = None  # what the pair needs on the GPU(s), for refusing where it cannot fit
     weights: str = "bf16"  # WEIGHT_FORMATS: the fast engine's weight-only kernels for the target's layers
+    kernels: str = "onednn"  # KERNELS: the fast engine's kernels for the target's full-precision matrices
 
     @property
     def needs_cuda(self) -> bool:
@@ -205,6 +210,10 @@ def _parse_pair(name: str, entry: Any, file: Path) -> ModelPair:
     if weights not in WEIGHT_FORMATS:
         raise RegistryError(f"{where}: weights = {weights!r}; allowed: {', '.join(WEIGHT_FORMATS)}")
 
+    kernels = entry.get("kernels", "onednn")
+    if kernels not in KERNELS:
+        raise RegistryError(f"{where}: kernels = {kernels!r}; allowed: {', '.join(KERNELS)}")
+
     description = entry.get("description", "")
     if not isinstance(description, str):
         raise RegistryError(f"{where}: description must be a string")
@@ -233,6 +242,7 @@ def _parse_pair(name: str, entry: Any, file: Path) -> ModelPair:
         enable_thinking=enable_thinking,
         gpu_memory_gb=float(gpu_memory_gb) if gpu_memory_gb is not None else None,
         weights=weights,
+        kernels=kernels,
     )
 
 

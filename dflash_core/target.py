@@ -28,12 +28,13 @@ Features: ``features[layer_id]`` is the residual stream after decoder layer ``la
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
 
+from .aoti_kernels import KERNELS
 from .families import ADAPTERS, FusedLayer, fast_path_reason
 from .kv_cache import KVCache, round_capacity
 from .rollback import CacheRollback
@@ -204,12 +205,15 @@ class FastTarget:
     are the per-layer interface the batched decoder of the training data shares
     (``training/batched_decode.py``): the same weights and math over its own cache."""
 
-    def __init__(self, model: torch.nn.Module, weights: str = "bf16", q4_blocks: dict | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, weights: str = "bf16", q4_blocks: dict | None = None,
+                 kernels: str = "onednn") -> None:
         reason = fast_path_reason(model)
         if reason:
             raise ValueError(f"FastTarget cannot run this model: {reason}")
         if weights not in WEIGHT_FORMATS:
             raise ValueError(f"weights = {weights!r}; allowed: {', '.join(WEIGHT_FORMATS)}")
+        if kernels not in KERNELS:
+            raise ValueError(f"kernels = {kernels!r}; allowed: {', '.join(KERNELS)}")
         cfg = model.config
         self.config = cfg
         self.num_layers = int(cfg.num_hidden_layers)
@@ -242,16 +246,52 @@ class FastTarget:
                 self.weight_note = f"asked for {weights}, running bf16: {note}"
             else:
                 self.layers, self.weight_format, self.weight_note = layers, weights, note
+        # The kernels the full-precision matrices run on (``kernels``; see aoti_kernels.py).
+        self.kernels, self.kernel_note = "onednn", "oneDNN"
+        onednn_layers, onednn_head = self.layers, self._lm_head
+        if kernels == "aoti":
+            self.kernels, self.kernel_note = self._use_aoti()
         # Fewest rows a forward runs with (see forward), and whether that makes every position's
         # numbers independent of how many rows share its pass: decided by a probe on this
         # machine's kernels, never assumed (they differ between CPUs and dtypes).
         self.min_rows, self.batch_invariant = self._probe_min_rows()
+        if self.kernels == "aoti" and not self.batch_invariant:
+            self.layers, self._lm_head, self.kernels = onednn_layers, onednn_head, "onednn"
+            self.kernel_note = ("asked for aoti, running oneDNN: with its kernels no padding made a position's "
+                                "logits independent of the size of its pass on this CPU")
+            self.min_rows, self.batch_invariant = self._probe_min_rows()
         if self.weight_format != "bf16" and not self.batch_invariant:
             asked = self.weight_format
             self.layers, self.weight_format = bf16_layers, "bf16"
             self.min_rows, self.batch_invariant = self._probe_min_rows()
             self.weight_note = (f"asked for {asked}, running bf16: with {asked} kernels no padding made a position's "
                                 "logits independent of the size of its pass on this CPU")
+
+    def _use_aoti(self) -> tuple[str, str]:
+        """Every full-precision matrix (the layers' and the LM head) through inductor's C++ GEMM
+        where its probe allows (``aoti_kernels.aoti_linear``); returns (kernels, note)."""
+        from . import aoti_kernels
+
+        if self.weight_format != "bf16":
+            return "onednn", f"asked for aoti, running oneDNN: the layers run {self.weight_format} kernels"
+        if self.device.type != "cpu" or not aoti_kernels.available():
+            return "onednn", "asked for aoti, running oneDNN: AOTInductor needs a CPU target and a C++ compiler"
+        refused: list[str] = []
+
+        def swap(linear):
+            kernel, why = aoti_kernels.aoti_linear(linear)
+            if why:
+                refused.append(why)
+            return kernel
+
+        self.layers = [replace(layer, qkv=swap(layer.qkv), o=swap(layer.o), gate_up=swap(layer.gate_up),
+                               down=swap(layer.down)) for layer in self.layers]
+        self._lm_head = swap(self._lm_head)
+        total = 4 * len(self.layers) + 1
+        if len(refused) == total:
+            return "onednn", f"asked for aoti, running oneDNN: {refused[0]}"
+        note = f"inductor C++ GEMM (AOTInductor) for {total - len(refused)} of {total} matrices"
+        return "aoti", note + (f"; the others run oneDNN ({refused[0]})" if refused else "")
 
     def _probe_min_rows(self) -> tuple[int, bool]:
         """The fewest rows per pass (from ``MIN_ROWS_CANDIDATES``) with which decoding a sequence
@@ -419,17 +459,18 @@ class FastTarget:
 
 
 def make_runner(model: torch.nn.Module, engine: str = "auto", weights: str = "bf16",
-                q4_blocks: dict | None = None) -> TargetRunner:
+                q4_blocks: dict | None = None, kernels: str = "onednn") -> TargetRunner:
     """``FastTarget`` when the model allows it (``engine='auto'|'fast'``), else ``HFTarget``.
-    ``weights`` (``weight_formats.WEIGHT_FORMATS``) applies to ``FastTarget`` only: the runner's
-    ``weight_format`` / ``weight_note`` say what runs."""
+    ``weights`` (``weight_formats.WEIGHT_FORMATS``) and ``kernels`` (``aoti_kernels.KERNELS``)
+    apply to ``FastTarget`` only: the runner's ``weight_format`` / ``weight_note`` and
+    ``kernels`` / ``kernel_note`` say what runs."""
     if weights not in WEIGHT_FORMATS:
         raise ValueError(f"weights = {weights!r}; allowed: {', '.join(WEIGHT_FORMATS)}")
     if engine == "hf":
         return HFTarget(model)
     reason = fast_path_reason(model)
     if reason is None:
-        return FastTarget(model, weights, q4_blocks)
+        return FastTarget(model, weights, q4_blocks, kernels)
     if engine == "fast":
         raise ValueError(f"engine='fast' cannot run this target: {reason}; use engine='hf' or 'auto'")
     return HFTarget(model)

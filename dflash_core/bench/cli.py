@@ -91,6 +91,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "rules": list(bench.rules), "methods": list(args.methods), "warmup": args.warmup, "dtype": engine.pair.dtype,
         "runner": type(engine.target.runner).__name__, "threads": torch.get_num_threads(),
         "weights": getattr(engine.target.runner, "weight_format", "bf16"),
+        "kernels": getattr(engine.target.runner, "kernels", "onednn"),
         "draft_vocab": None if engine.drafter.draft_vocab is None else int(engine.drafter.draft_vocab.numel()),
         "machine": hardware_summary(), "torch": torch.__version__,
     }

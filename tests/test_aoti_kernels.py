@@ -1,0 +1,131 @@
+"""The target's fp32 matrices through inductor's C++ GEMM built ahead of time (``kernels = "aoti"``
+in models.toml): built once per machine and shape, used only where a probe finds it exact per row
+here, lossless when used (greedy DFlash == greedy AR), a clear fallback to oneDNN otherwise."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from dflash_core import aoti_kernels
+from dflash_core.errors import RegistryError
+from dflash_core.kernels import Linear
+from dflash_core.registry import KERNELS, parse_registry
+from dflash_core.speculative import GenerationConfig, collect, stream
+from dflash_core.target import FastTarget, make_runner
+from dflash_core.testing import PROMPTS, OracleDrafter, tiny_drafter, tiny_target
+
+PAIR = {"target": {"hub": "x/y"}, "drafter": {"random": True}}
+
+
+def two_shape_llama() -> torch.nn.Module:
+    """A tiny Llama whose matrices come in two shapes only (128x64: QKV, gate/up, LM head; 64x64: O,
+    down), so the kernels to build are two."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)  # clear greedy winners
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def kernel_cache(tmp_path_factory):
+    """One cache for the module's tests: the kernels are built once (about a minute)."""
+    before = os.environ.get("DFLASH_CACHE_DIR")
+    os.environ["DFLASH_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))
+    yield Path(os.environ["DFLASH_CACHE_DIR"])
+    if before is None:
+        os.environ.pop("DFLASH_CACHE_DIR")
+    else:
+        os.environ["DFLASH_CACHE_DIR"] = before
+
+
+def test_registry_reads_kernels_and_refuses_an_unknown_one():
+    assert KERNELS == aoti_kernels.KERNELS
+    registry = parse_registry({"pairs": {"a": {**PAIR, "kernels": "aoti"}, "b": PAIR}}, Path("models.toml"))
+    assert registry.pairs["a"].kernels == "aoti"
+    assert registry.pairs["b"].kernels == "onednn"  # the default
+    with pytest.raises(RegistryError, match=r"kernels = 'triton'; allowed: onednn, aoti"):
+        parse_registry({"pairs": {"a": {**PAIR, "kernels": "triton"}}}, Path("models.toml"))
+
+
+def test_runner_refuses_unknown_kernels():
+    model = tiny_target("llama")
+    with pytest.raises(ValueError, match="kernels = 'triton'"):
+        FastTarget(model, kernels="triton")
+    with pytest.raises(ValueError, match="kernels = 'triton'"):
+        make_runner(model, kernels="triton")
+
+
+def test_blocked_layout_puts_output_features_innermost():
+    weight = torch.arange(48 * 5, dtype=torch.float32).reshape(48, 5)
+    packed = aoti_kernels.blocked(weight, 24)
+    assert packed.shape == (2, 5, 24)
+    assert all(packed[i, k, j] == weight[i * 24 + j, k] for i in range(2) for k in range(5) for j in range(24))
+
+
+def test_a_failed_build_falls_back_to_onednn_and_says_why(monkeypatch, kernel_cache):
+    def broken(*args, **kwargs):
+        raise RuntimeError("no compiler today")
+
+    monkeypatch.setattr(aoti_kernels, "kernel_library", broken)
+    runner = FastTarget(tiny_target("llama"), kernels="aoti")
+    if not aoti_kernels.available():
+        assert runner.kernels == "onednn" and "needs a CPU target and a C++ compiler" in runner.kernel_note
+        return
+    assert runner.kernels == "onednn"
+    assert runner.kernel_note.startswith("asked for aoti, running oneDNN: building or loading the kernel failed")
+    assert "no compiler today" in runner.kernel_note
+    assert all(isinstance(layer.qkv, Linear) for layer in runner.layers)
+
+
+def test_bf16_and_quantized_targets_stay_on_their_kernels(kernel_cache):
+    runner = FastTarget(tiny_target("llama", dtype=torch.bfloat16), kernels="aoti")
+    assert runner.kernels == "onednn" and "asked for aoti, running oneDNN" in runner.kernel_note
+
+
+@pytest.mark.slow
+def test_the_probe_decides_and_greedy_dflash_equals_ar(kernel_cache):
+    model = two_shape_llama()
+    runner = FastTarget(model, kernels="aoti")
+    if not aoti_kernels.available():
+        pytest.skip("no C++ compiler or AOTInductor here")
+    built = sorted(p.name for p in kernel_cache.rglob("*.so"))
+    assert built == ["linear-128x64-float32.so", "linear-64x64-float32.so"], built
+    if runner.kernels != "aoti":  # a CPU where the kernel's rows depend on their company: oneDNN, and why
+        assert runner.kernel_note.startswith("asked for aoti, running oneDNN")
+        return
+    assert runner.kernel_note == "inductor C++ GEMM (AOTInductor) for 13 of 13 matrices"
+    assert all(isinstance(m, aoti_kernels.AotiLinear) for layer in runner.layers
+               for m in (layer.qkv, layer.o, layer.gate_up, layer.down))
+    assert runner.batch_invariant
+    # The same model on oneDNN: the same products, to rounding.
+    onednn = FastTarget(model)
+    ids = torch.tensor(PROMPTS[0])
+    for r in (runner, onednn):
+        r.reset(64)
+    a, b = runner.forward(ids, None).logits, onednn.forward(ids, None).logits
+    assert torch.allclose(a, b, rtol=1e-4, atol=1e-4)
+    drafter = tiny_drafter(model, layers=1)
+    for prompt in PROMPTS:
+        ar = collect(stream(runner, None, prompt, GenerationConfig(max_new_tokens=40, block_size=1).validated(16)))
+        for block in (2, 4, 16):
+            cfg = GenerationConfig(max_new_tokens=40, block_size=block).validated(16)
+            assert collect(stream(runner, drafter, prompt, cfg)).token_ids == ar.token_ids, block
+            oracle = OracleDrafter(drafter, list(prompt) + ar.token_ids)
+            assert collect(stream(runner, oracle, prompt, cfg)).token_ids == ar.token_ids, (block, "oracle")
+    # A second target loads the built kernels (nothing rebuilt) ...
+    stamps = {p: p.stat().st_mtime_ns for p in kernel_cache.rglob("*.so")}
+    again = FastTarget(model, kernels="aoti")
+    assert again.kernels == "aoti" and {p: p.stat().st_mtime_ns for p in kernel_cache.rglob("*.so")} == stamps
+    # ... and a kernel given the wrong layout is caught by the probe, not used.
+    library, meta = aoti_kernels.kernel_library(128, 64, torch.float32)
+    wrong = aoti_kernels.AotiLinear(model.lm_head.weight.detach(), library, {**meta, "block": 16 if meta["block"] != 16 else 32})
+    assert aoti_kernels.exact_here(wrong) == "its results are not F.linear's"
