@@ -81,11 +81,25 @@ class _AllMatrices(torch.nn.Module):
         return [lin(x_down if lin.in_features != x.shape[1] else x) for lin in self.linears]
 
 
+def _matrix_views(run: Callable, exact: list[list[torch.Tensor]]) -> tuple[list[list], Callable]:
+    """Per-matrix callables and a whole pass over ``run`` (a compiled ``_AllMatrices``): each
+    per-matrix call computes all 120 products and keeps its own, the other input zeros."""
+    width, down_width = exact[0][0].shape[1], exact[0][3].shape[1]
+
+    def call(index: int, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0]
+        if x.shape[1] == width:
+            return run(x, torch.zeros(n, down_width))[index]
+        return run(torch.zeros(n, width), x)[index]
+
+    per_matrix = [[(lambda x, i=li * 4 + mi: call(i, x)) for mi in range(4)] for li in range(len(exact))]
+    return per_matrix, (lambda xs: run(xs[0], xs[3]))
+
+
 def inductor_matrices(exact: list[list[torch.Tensor]]) -> tuple[list[list], Callable, float]:
-    """One compiled module of all 120 fp32 matrices (see ``_AllMatrices``): per-matrix callables
-    for the checks (each call computes all 120 products and keeps its own), a whole pass for the
-    timings (given one input per matrix kind), and the seconds compiling took for 2 rows and for
-    a lone row (inductor specializes a size of 1)."""
+    """One compiled module of all 120 fp32 matrices (see ``_AllMatrices``): its per-matrix
+    callables and whole pass (``_matrix_views``), and the seconds compiling took for 2 rows and
+    for a lone row (inductor specializes a size of 1)."""
     import torch._inductor.config as inductor_config
 
     inductor_config.freezing = True  # weights become constants the C++ GEMM packs once
@@ -99,15 +113,7 @@ def inductor_matrices(exact: list[list[torch.Tensor]]) -> tuple[list[list], Call
         for rows in (2, 1):
             compiled(torch.zeros(rows, width), torch.zeros(rows, down_width))
     seconds = time.perf_counter() - started
-
-    def call(index: int, x: torch.Tensor) -> torch.Tensor:
-        rows = x.shape[0]
-        if x.shape[1] == width:
-            return compiled(x, torch.zeros(rows, down_width))[index]
-        return compiled(torch.zeros(rows, width), x)[index]
-
-    per_matrix = [[(lambda x, i=li * 4 + mi: call(i, x)) for mi in range(4)] for li in range(len(exact))]
-    return per_matrix, (lambda xs: compiled(xs[0], xs[3])), seconds
+    return (*_matrix_views(compiled, exact), seconds)
 
 
 def aoti_matrices(exact: list[list[torch.Tensor]]) -> tuple[list[list], Callable, dict[str, float]]:
@@ -131,15 +137,7 @@ def aoti_matrices(exact: list[list[torch.Tensor]]) -> tuple[list[list], Callable
         started = time.perf_counter()
         runner = torch._inductor.aoti_load_package(str(package))
         cost = {"build_s": built, "load_s": time.perf_counter() - started, "mb": package.stat().st_size / 1e6}
-
-    def call(index: int, x: torch.Tensor) -> torch.Tensor:
-        n = x.shape[0]
-        if x.shape[1] == width:
-            return runner(x, torch.zeros(n, down_width))[index]
-        return runner(torch.zeros(n, width), x)[index]
-
-    per_matrix = [[(lambda x, i=li * 4 + mi: call(i, x)) for mi in range(4)] for li in range(len(exact))]
-    return per_matrix, (lambda xs: runner(xs[0], xs[3])), cost
+    return (*_matrix_views(runner, exact), cost)
 
 
 def main() -> None:
