@@ -12,6 +12,11 @@ Lossless decoding needs every row's numbers independent of the rows beside it, s
 here only after a probe on this machine finds its rows identical for every row count of
 ``PROBE_ROWS`` and for a lone row, and its result close to ``F.linear``'s (which also proves that
 the blocked layout was guessed right); otherwise it stays on ``kernels.Linear``.
+
+With ``weights = "int8"`` the layers' matrices are int8 with one scale per output channel
+(``weight_formats.Int8Weight``); inductor has a weight-only int8 C++ GEMM for them too, reading a
+quarter of fp32's bytes. Its only input dtype on AVX2 / AVX-512 is bf16, so rows are rounded to
+bf16 on the way in and the result (bf16) widened back, as ``weight_formats.Int4Weight`` does.
 """
 
 from __future__ import annotations
@@ -66,6 +71,11 @@ def kernel_dir() -> Path:
     return cache_root() / "aoti" / _machine()
 
 
+# What a kernel is built for: the weight's storage ("float32", or "int8" with per-channel scales).
+MATRIX_KINDS = ("float32", "int8")
+INT8_ROWS = torch.bfloat16  # the int8 C++ GEMM's input (and output) dtype
+
+
 class _OneMatrix(torch.nn.Module):
     def __init__(self, out_features: int, in_features: int, dtype: torch.dtype) -> None:
         super().__init__()
@@ -73,6 +83,45 @@ class _OneMatrix(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear(x)
+
+
+class _OneInt8Matrix(torch.nn.Module):
+    """The op inductor lowers to its weight-only int8 C++ GEMM."""
+
+    def __init__(self, out_features: int, in_features: int) -> None:
+        super().__init__()
+        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int8))
+        self.register_buffer("scales", torch.ones(out_features, dtype=INT8_ROWS))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scales)
+
+
+def _kind_parts(kind: str, out_features: int, in_features: int) -> tuple[torch.nn.Module, torch.dtype]:
+    """The module a kernel of ``kind`` is compiled from, and its rows' dtype."""
+    if kind == "float32":
+        return _OneMatrix(out_features, in_features, torch.float32).eval(), torch.float32
+    if kind == "int8":
+        return _OneInt8Matrix(out_features, in_features).eval(), INT8_ROWS
+    raise ValueError(f"kernel kind {kind!r}; allowed: {', '.join(MATRIX_KINDS)}")
+
+
+def _probe_weights(kind: str, out_features: int, in_features: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A fixed weight (and scales) of ``kind`` to find the blocked layout with."""
+    generator = torch.Generator().manual_seed(0)
+    if kind == "int8":
+        weight = torch.randint(-127, 128, (out_features, in_features), generator=generator, dtype=torch.int8)
+        return weight, (torch.rand(out_features, generator=generator) / 64 + 1 / 128).to(INT8_ROWS)
+    return torch.randn(out_features, in_features, generator=generator), None
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, kind: str) -> bool:
+    """Whether a kernel's products are the reference's to its rounding: fp32's, or bf16 outputs'
+    for int8 (a wrong layout is off by the size of the products themselves)."""
+    if kind == "float32":
+        return torch.allclose(got, want, rtol=1e-4, atol=1e-4)
+    got, want = got.float(), want.float()
+    return bool((got - want).norm() <= 1e-2 * want.norm())
 
 
 def blocked(weight: torch.Tensor, block: int) -> torch.Tensor:
@@ -87,24 +136,25 @@ def _runner(library: Path):
     return AOTIModelContainerRunnerCpu(str(library), 1)
 
 
-def _swap_in(runner, name: str, weight: torch.Tensor) -> None:
-    # user_managed: the runner reads our tensor in place (the caller keeps it alive).
-    runner.update_constant_buffer({name: weight}, False, True, True)
+def _swap_in(runner, constants: dict[str, torch.Tensor]) -> None:
+    # user_managed: the runner reads our tensors in place (the caller keeps them alive).
+    runner.update_constant_buffer(constants, False, True, True)
 
 
-def _build(out_features: int, in_features: int, dtype: torch.dtype, library: Path) -> dict:
+def _build(out_features: int, in_features: int, kind: str, library: Path) -> dict:
     """Compile the kernel for one shape into ``library`` (a shared object holding no weights) and
-    find the name of its one constant, the weight, and the weight's blocked layout."""
+    find the names of its constants (the weight, and for int8 its scales) and the weight's blocked
+    layout."""
     import torch._inductor  # seconds to import: only when a kernel is built
 
-    module = _OneMatrix(out_features, in_features, dtype).eval()
+    module, rows_dtype = _kind_parts(kind, out_features, in_features)
     rows = torch.export.Dim("rows", min=1, max=1 << 16)
     configs = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP",
                "aot_inductor.package_constants_in_so": False}
     with tempfile.TemporaryDirectory(dir=library.parent) as folder:
         package = Path(folder) / "package.pt2"
         with torch.no_grad():
-            program = torch.export.export(module, (torch.zeros(2, in_features, dtype=dtype),), dynamic_shapes=({0: rows},))
+            program = torch.export.export(module, (torch.zeros(2, in_features, dtype=rows_dtype),), dynamic_shapes=({0: rows},))
             torch._inductor.aoti_compile_and_package(program, package_path=str(package), inductor_configs=configs)
         with zipfile.ZipFile(package) as archive:
             members = [m for m in archive.namelist() if m.endswith(".so")]
@@ -114,39 +164,44 @@ def _build(out_features: int, in_features: int, dtype: torch.dtype, library: Pat
             staged.write_bytes(archive.read(members[0]))
         runner = _runner(staged)
         names = list(runner.get_constant_names_to_original_fqns())
-        if len(names) != 1:
-            raise RuntimeError(f"expected one constant in the kernel, found {names}")
-        generator = torch.Generator().manual_seed(0)
-        weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
-        probe = probe_rows(in_features, dtype)
-        truth = F.linear(probe, weight)
+        scales_name = "scales" if kind == "int8" else None
+        weight_names = [name for name in names if name != scales_name]
+        if len(weight_names) != 1 or (scales_name and scales_name not in names):
+            raise RuntimeError(f"expected the weight{' and its scales' if scales_name else ''} as the kernel's constants, found {names}")
+        weight, scales = _probe_weights(kind, out_features, in_features)
+        probe = probe_rows(in_features, rows_dtype)
+        truth = (F.linear(probe.float(), weight.float() * scales.float()[:, None]) if scales is not None
+                 else F.linear(probe, weight))
         for block in BLOCK_CANDIDATES:
             if out_features % block:
                 continue
             packed = blocked(weight, block)
             try:
-                _swap_in(runner, names[0], packed)
+                _swap_in(runner, {weight_names[0]: packed, **({scales_name: scales} if scales_name else {})})
                 with torch.inference_mode():
-                    close = torch.allclose(runner.run([probe])[0], truth, rtol=1e-4, atol=1e-4)
+                    close = _close(runner.run([probe])[0], truth, kind)
             except RuntimeError:
                 continue
             if close:
-                meta = {"constant": names[0], "block": block}
+                meta = {"constant": weight_names[0], "block": block, **({"scales": scales_name} if scales_name else {})}
                 os.replace(staged, library)
                 library.with_suffix(".json").write_text(json.dumps(meta))
                 return meta
     raise RuntimeError(f"none of the blocked layouts {BLOCK_CANDIDATES} gives the kernel's products")
 
 
-def kernel_library(out_features: int, in_features: int, dtype: torch.dtype) -> tuple[Path, dict]:
-    """The compiled kernel for an (out, in) matrix in ``dtype``, built here first if the cache lacks it."""
+def kernel_library(out_features: int, in_features: int, kind: str = "float32") -> tuple[Path, dict]:
+    """The compiled kernel for an (out, in) matrix of ``kind`` (``MATRIX_KINDS``), built here first
+    if the cache lacks it."""
+    if kind not in MATRIX_KINDS:
+        raise ValueError(f"kernel kind {kind!r}; allowed: {', '.join(MATRIX_KINDS)}")
     folder = kernel_dir()
-    library = folder / f"linear-{out_features}x{in_features}-{str(dtype).removeprefix('torch.')}.so"
+    library = folder / f"linear-{out_features}x{in_features}-{kind}.so"
     meta_file = library.with_suffix(".json")
     with _BUILD_LOCK:
         if not (library.exists() and meta_file.exists()):
             folder.mkdir(parents=True, exist_ok=True)
-            return library, _build(out_features, in_features, dtype, library)
+            return library, _build(out_features, in_features, kind, library)
     return library, json.loads(meta_file.read_text())
 
 
@@ -159,7 +214,7 @@ class AotiLinear:
         self.bias = None
         self.packed_weight = blocked(weight, meta["block"])  # the runner reads it in place
         self.runner = _runner(library)
-        _swap_in(self.runner, meta["constant"], self.packed_weight)
+        _swap_in(self.runner, {meta["constant"]: self.packed_weight})
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2:
@@ -167,15 +222,41 @@ class AotiLinear:
         return self.runner.run([x.reshape(-1, x.shape[-1]).contiguous()])[0].unflatten(0, x.shape[:-1])
 
 
-def exact_here(kernel: AotiLinear) -> str | None:
-    """Why ``kernel`` may not replace ``F.linear`` here (None when it may): its rows must not change
-    with the rows beside them, a lone row included, and its numbers must be ``F.linear``'s to
-    rounding."""
-    probe = probe_rows(kernel.weight.shape[1], kernel.weight.dtype)
+class AotiInt8Weight:
+    """``weight_formats.Int8Weight``'s product (``x @ (q * scales[:, None]).T``) through inductor's
+    weight-only int8 C++ GEMM: a drop-in kernel for ``weight_formats.QuantizedLinear``, on 2-D rows."""
+
+    fmt = "int8"
+
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor, library: Path, meta: dict) -> None:
+        self.shape = tuple(q.shape)
+        self.packed_weight = blocked(q, meta["block"])  # the runner reads both in place
+        self.scales = scales.to(INT8_ROWS).contiguous()
+        self.runner = _runner(library)
+        _swap_in(self.runner, {meta["constant"]: self.packed_weight, meta["scales"]: self.scales})
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.runner.run([x.to(INT8_ROWS).contiguous()])[0].to(x.dtype)
+
+
+def exact_here(kernel, reference=None) -> str | None:
+    """Why ``kernel`` may not replace ``reference`` here (None when it may): its rows must not
+    change with the rows beside them, a lone row included, and its numbers must be the reference's
+    to rounding (``F.linear`` of an ``AotiLinear``'s weight by default; for an ``AotiInt8Weight``
+    the eager int8 kernel of the same codes, to its bf16 rows' rounding)."""
+    if reference is None:
+        weight = kernel.weight
+        in_features, dtype, kind = weight.shape[1], weight.dtype, "float32"
+
+        def reference(rows: torch.Tensor) -> torch.Tensor:
+            return F.linear(rows, weight)
+    else:
+        in_features, dtype, kind = kernel.shape[1], reference.scales.dtype, "int8"
+    probe = probe_rows(in_features, dtype)
     with torch.inference_mode():
         own = kernel(probe)
-        if not torch.allclose(own, F.linear(probe, kernel.weight), rtol=1e-4, atol=1e-4):
-            return "its results are not F.linear's"
+        if not _close(own, reference(probe), kind):
+            return "its results are not F.linear's" if kind == "float32" else "its results are not the eager int8 kernel's"
         if not (rows_match(kernel, own, probe) and torch.equal(kernel(probe[:1]), own[:1])):
             return "its rows change with the number of rows in a call"
     return None
@@ -190,9 +271,28 @@ def aoti_linear(linear: Linear) -> tuple[AotiLinear | Linear, str | None]:
         # Measured for fp32 only, where it wins (docs/BENCHMARKS.md); bf16 CPUs have oneDNN's bf16 path.
         return linear, f"only fp32 matrices on CPU are built, not {weight.dtype} on {weight.device.type}"
     try:
-        library, meta = kernel_library(weight.shape[0], weight.shape[1], weight.dtype)
+        library, meta = kernel_library(weight.shape[0], weight.shape[1], "float32")
         kernel = AotiLinear(weight, library, meta)
     except Exception as exc:  # a compiler or AOTInductor failure here: oneDNN keeps running
         return linear, f"building or loading the kernel failed: {type(exc).__name__}: {str(exc)[:200]}"
     why = exact_here(kernel)
     return (linear, why) if why else (kernel, None)
+
+
+def aoti_int8_linear(linear):
+    """A ``weight_formats.QuantizedLinear`` of an ``Int8Weight`` with its kernel swapped for the
+    int8 C++ GEMM where that is exact here, else ``linear`` itself and why."""
+    from .weight_formats import Int8Weight, QuantizedLinear
+
+    eager = linear.kernel
+    if not isinstance(eager, Int8Weight):
+        return linear, f"only int8 weight-only matrices are built, not {getattr(eager, 'fmt', type(eager).__name__)}"
+    if eager.q.device.type != "cpu":
+        return linear, f"only matrices on CPU are built, not on {eager.q.device.type}"
+    try:
+        library, meta = kernel_library(eager.shape[0], eager.shape[1], "int8")
+        kernel = AotiInt8Weight(eager.q, eager.scales, library, meta)
+    except Exception as exc:  # a compiler or AOTInductor failure here: the eager int8 kernel keeps running
+        return linear, f"building or loading the kernel failed: {type(exc).__name__}: {str(exc)[:200]}"
+    why = exact_here(kernel, eager)
+    return (linear, why) if why else (QuantizedLinear(kernel, linear.bias), None)

@@ -40,7 +40,7 @@ from .kv_cache import KVCache, round_capacity
 from .rollback import CacheRollback
 from .tree import DraftTree
 from .tree_attention import TreeAttention
-from .weight_formats import WEIGHT_FORMATS, quantized_layers
+from .weight_formats import WEIGHT_FORMATS, QuantizedLinear, quantized_layers
 
 PREFILL_CHUNK = 512  # longest slice of a prompt FastTarget processes at once
 # Fewest rows per pass FastTarget tries (see FastTarget._probe_min_rows): a lone row always takes
@@ -268,18 +268,22 @@ class FastTarget:
                                 "logits independent of the size of its pass on this CPU")
 
     def _use_aoti(self) -> tuple[str, str]:
-        """Every full-precision matrix (the layers' and the LM head) through inductor's C++ GEMM
-        where its probe allows (``aoti_kernels.aoti_linear``); returns (kernels, note)."""
+        """Every matrix (the layers' and the LM head) through inductor's C++ GEMM where its probe
+        allows (``aoti_kernels``): fp32 matrices as they are, the layers' int8 weight-only ones
+        (``weights = "int8"``) through its int8 GEMM; returns (kernels, note)."""
         from . import aoti_kernels
 
-        if self.weight_format != "bf16":
-            return "onednn", f"asked for aoti, running oneDNN: the layers run {self.weight_format} kernels"
+        if self.weight_format not in ("bf16", "int8"):
+            return "onednn", f"asked for aoti, running oneDNN: the layers run {self.weight_format} kernels (no C++ GEMM for them)"
         if self.device.type != "cpu" or not aoti_kernels.available():
             return "onednn", "asked for aoti, running oneDNN: AOTInductor needs a CPU target and a C++ compiler"
         refused: list[str] = []
 
         def swap(linear):
-            kernel, why = aoti_kernels.aoti_linear(linear)
+            if isinstance(linear, QuantizedLinear):
+                kernel, why = aoti_kernels.aoti_int8_linear(linear)
+            else:
+                kernel, why = aoti_kernels.aoti_linear(linear)
             if why:
                 refused.append(why)
             return kernel
@@ -291,7 +295,9 @@ class FastTarget:
         if len(refused) == total:
             return "onednn", f"asked for aoti, running oneDNN: {refused[0]}"
         note = f"inductor C++ GEMM (AOTInductor) for {total - len(refused)} of {total} matrices"
-        return "aoti", note + (f"; the others run oneDNN ({refused[0]})" if refused else "")
+        if self.weight_format == "int8":
+            note += " (the layers' int8 weight-only, their rows in bf16)"
+        return "aoti", note + (f"; the others run their own kernels ({refused[0]})" if refused else "")
 
     def _probe_min_rows(self) -> tuple[int, bool]:
         """The fewest rows per pass (from ``MIN_ROWS_CANDIDATES``) with which decoding a sequence

@@ -17,6 +17,7 @@ from dflash_core.kernels import Linear
 from dflash_core.registry import KERNELS, parse_registry
 from dflash_core.speculative import GenerationConfig, collect, stream
 from dflash_core.target import FastTarget, make_runner
+from dflash_core.weight_formats import Int8Weight
 from dflash_core.testing import PROMPTS, OracleDrafter, tiny_drafter, tiny_target
 
 PAIR = {"target": {"hub": "x/y"}, "drafter": {"random": True}}
@@ -33,6 +34,18 @@ def two_shape_llama() -> torch.nn.Module:
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)  # clear greedy winners
     return model.eval()
+
+
+def assert_lossless(runner: FastTarget, model: torch.nn.Module) -> None:
+    """Greedy DFlash == greedy AR on ``runner`` for every prompt and block size, the oracle too."""
+    drafter = tiny_drafter(model, layers=1)
+    for prompt in PROMPTS:
+        ar = collect(stream(runner, None, prompt, GenerationConfig(max_new_tokens=40, block_size=1).validated(16)))
+        for block in (2, 4, 16):
+            cfg = GenerationConfig(max_new_tokens=40, block_size=block).validated(16)
+            assert collect(stream(runner, drafter, prompt, cfg)).token_ids == ar.token_ids, block
+            oracle = OracleDrafter(drafter, list(prompt) + ar.token_ids)
+            assert collect(stream(runner, oracle, prompt, cfg)).token_ids == ar.token_ids, (block, "oracle")
 
 
 @pytest.fixture(scope="module")
@@ -113,19 +126,57 @@ def test_the_probe_decides_and_greedy_dflash_equals_ar(kernel_cache):
         r.reset(64)
     a, b = runner.forward(ids, None).logits, onednn.forward(ids, None).logits
     assert torch.allclose(a, b, rtol=1e-4, atol=1e-4)
-    drafter = tiny_drafter(model, layers=1)
-    for prompt in PROMPTS:
-        ar = collect(stream(runner, None, prompt, GenerationConfig(max_new_tokens=40, block_size=1).validated(16)))
-        for block in (2, 4, 16):
-            cfg = GenerationConfig(max_new_tokens=40, block_size=block).validated(16)
-            assert collect(stream(runner, drafter, prompt, cfg)).token_ids == ar.token_ids, block
-            oracle = OracleDrafter(drafter, list(prompt) + ar.token_ids)
-            assert collect(stream(runner, oracle, prompt, cfg)).token_ids == ar.token_ids, (block, "oracle")
+    assert_lossless(runner, model)
     # A second target loads the built kernels (nothing rebuilt) ...
     stamps = {p: p.stat().st_mtime_ns for p in kernel_cache.rglob("*.so")}
     again = FastTarget(model, kernels="aoti")
     assert again.kernels == "aoti" and {p: p.stat().st_mtime_ns for p in kernel_cache.rglob("*.so")} == stamps
     # ... and a kernel given the wrong layout is caught by the probe, not used.
-    library, meta = aoti_kernels.kernel_library(128, 64, torch.float32)
+    library, meta = aoti_kernels.kernel_library(128, 64, "float32")
     wrong = aoti_kernels.AotiLinear(model.lm_head.weight.detach(), library, {**meta, "block": 16 if meta["block"] != 16 else 32})
     assert aoti_kernels.exact_here(wrong) == "its results are not F.linear's"
+
+
+@pytest.mark.slow
+def test_int8_weights_run_the_int8_gemm_losslessly(kernel_cache):
+    model = two_shape_llama()
+    runner = FastTarget(model, weights="int8", kernels="aoti")
+    if not aoti_kernels.available():
+        pytest.skip("no C++ compiler or AOTInductor here")
+    built = {p.name for p in kernel_cache.rglob("*.so")}
+    assert {"linear-128x64-int8.so", "linear-64x64-int8.so", "linear-128x64-float32.so"} <= built, built
+    assert runner.weight_format == "int8"
+    if runner.kernels != "aoti":  # a CPU where the kernel's rows depend on their company: eager int8, and why
+        assert runner.kernel_note.startswith("asked for aoti, running oneDNN")
+        return
+    assert runner.kernel_note == ("inductor C++ GEMM (AOTInductor) for 13 of 13 matrices "
+                                  "(the layers' int8 weight-only, their rows in bf16)")
+    kernels = [m.kernel for layer in runner.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    assert all(isinstance(k, aoti_kernels.AotiInt8Weight) for k in kernels)
+    assert isinstance(runner._lm_head, aoti_kernels.AotiLinear)  # the LM head stays fp32
+    assert runner.batch_invariant
+    # The full-precision model, to int8's rounding of the weights.
+    full = FastTarget(model)
+    ids = torch.tensor(PROMPTS[0])
+    for r in (runner, full):
+        r.reset(64)
+    a, b = runner.forward(ids, None).logits, full.forward(ids, None).logits
+    assert (a - b).norm() <= 3e-2 * b.norm()
+    assert_lossless(runner, model)
+    # A kernel given the wrong layout is caught by the probe, not used.
+    library, meta = aoti_kernels.kernel_library(128, 64, "int8")
+    reference = Int8Weight(full.layers[0].qkv.weight, torch.float32)  # the eager kernel of the same codes
+    wrong = aoti_kernels.AotiInt8Weight(reference.q, reference.scales, library,
+                                        {**meta, "block": 16 if meta["block"] != 16 else 32})
+    assert aoti_kernels.exact_here(wrong, reference) == "its results are not the eager int8 kernel's"
+    assert aoti_kernels.exact_here(runner.layers[0].qkv.kernel, reference) is None
+
+
+def test_int4_weights_stay_on_their_kernel(kernel_cache):
+    runner = FastTarget(two_shape_llama(), weights="int4", kernels="aoti")
+    if runner.weight_format != "int4" and "no padding made" not in runner.weight_note:
+        pytest.skip(f"the int4 layers were refused before the kernels were chosen: {runner.weight_note}")
+    # The int4 layers were in place when the kernels were chosen (even where the whole-model probe
+    # later sends them back to full precision): no C++ GEMM over them.
+    assert runner.kernels == "onednn"
+    assert runner.kernel_note == "asked for aoti, running oneDNN: the layers run int4 kernels (no C++ GEMM for them)"
