@@ -39,7 +39,7 @@ KERNELS = ("onednn", "aoti")
 # Register blocking of the C++ GEMM along the output features (vector widths x register tiles);
 # which one a kernel uses is found by a probe when it is built.
 BLOCK_CANDIDATES = (24, 16, 32, 8, 48, 64)
-_BUILD_LOCK = threading.Lock()
+BUILD_LOCK = threading.Lock()
 
 
 def available() -> bool:
@@ -130,13 +130,13 @@ def blocked(weight: torch.Tensor, block: int) -> torch.Tensor:
     return weight.reshape(n // block, block, k).transpose(1, 2).contiguous()
 
 
-def _runner(library: Path):
+def load_runner(library: Path):
     from torch._C._aoti import AOTIModelContainerRunnerCpu
 
     return AOTIModelContainerRunnerCpu(str(library), 1)
 
 
-def _swap_in(runner, constants: dict[str, torch.Tensor]) -> None:
+def swap_in(runner, constants: dict[str, torch.Tensor]) -> None:
     # user_managed: the runner reads our tensors in place (the caller keeps them alive).
     runner.update_constant_buffer(constants, False, True, True)
 
@@ -162,7 +162,7 @@ def _build(out_features: int, in_features: int, kind: str, library: Path) -> dic
                 raise RuntimeError(f"expected one shared object in the package, found {members}")
             staged = Path(folder) / library.name
             staged.write_bytes(archive.read(members[0]))
-        runner = _runner(staged)
+        runner = load_runner(staged)
         names = list(runner.get_constant_names_to_original_fqns())
         scales_name = "scales" if kind == "int8" else None
         weight_names = [name for name in names if name != scales_name]
@@ -177,7 +177,7 @@ def _build(out_features: int, in_features: int, kind: str, library: Path) -> dic
                 continue
             packed = blocked(weight, block)
             try:
-                _swap_in(runner, {weight_names[0]: packed, **({scales_name: scales} if scales_name else {})})
+                swap_in(runner, {weight_names[0]: packed, **({scales_name: scales} if scales_name else {})})
                 with torch.inference_mode():
                     close = _close(runner.run([probe])[0], truth, kind)
             except RuntimeError:
@@ -198,7 +198,7 @@ def kernel_library(out_features: int, in_features: int, kind: str = "float32") -
     folder = kernel_dir()
     library = folder / f"linear-{out_features}x{in_features}-{kind}.so"
     meta_file = library.with_suffix(".json")
-    with _BUILD_LOCK:
+    with BUILD_LOCK:
         if not (library.exists() and meta_file.exists()):
             folder.mkdir(parents=True, exist_ok=True)
             return library, _build(out_features, in_features, kind, library)
@@ -213,8 +213,8 @@ class AotiLinear:
         self.weight = weight
         self.bias = None
         self.packed_weight = blocked(weight, meta["block"])  # the runner reads it in place
-        self.runner = _runner(library)
-        _swap_in(self.runner, {meta["constant"]: self.packed_weight})
+        self.runner = load_runner(library)
+        swap_in(self.runner, {meta["constant"]: self.packed_weight})
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2:
@@ -232,8 +232,8 @@ class AotiInt8Weight:
         self.shape = tuple(q.shape)
         self.packed_weight = blocked(q, meta["block"])  # the runner reads both in place
         self.scales = scales.to(INT8_ROWS).contiguous()
-        self.runner = _runner(library)
-        _swap_in(self.runner, {meta["constant"]: self.packed_weight, meta["scales"]: self.scales})
+        self.runner = load_runner(library)
+        swap_in(self.runner, {meta["constant"]: self.packed_weight, meta["scales"]: self.scales})
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.runner.run([x.to(INT8_ROWS).contiguous()])[0].to(x.dtype)

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from .aoti_kernels import KERNELS
+from .aoti_layers import CompiledLayer
 from .families import ADAPTERS, FusedLayer, fast_path_reason
 from .kv_cache import KVCache, round_capacity
 from .rollback import CacheRollback
@@ -271,12 +272,19 @@ class FastTarget:
         """Every matrix (the layers' and the LM head) through inductor's C++ GEMM where its probe
         allows (``aoti_kernels``): fp32 matrices as they are, the layers' int8 weight-only ones
         (``weights = "int8"``) through its int8 GEMM; returns (kernels, note)."""
-        from . import aoti_kernels
+        from . import aoti_kernels, aoti_layers
 
         if self.weight_format not in ("bf16", "int8"):
             return "onednn", f"asked for aoti, running oneDNN: the layers run {self.weight_format} kernels (no C++ GEMM for them)"
         if self.device.type != "cpu" or not aoti_kernels.available():
             return "onednn", "asked for aoti, running oneDNN: AOTInductor needs a CPU target and a C++ compiler"
+        # Whole layers first (the element-wise work fused around the GEMMs); else matrix by matrix.
+        compiled, layers_note = aoti_layers.compiled_layers(self)
+        if compiled is not None:
+            self.layers = compiled
+            head, why = aoti_kernels.aoti_linear(self._lm_head)
+            self._lm_head = head
+            return "aoti", f"{layers_note}; the LM head " + (f"on oneDNN ({why})" if why else "through the C++ GEMM")
         refused: list[str] = []
 
         def swap(linear):
@@ -297,6 +305,7 @@ class FastTarget:
         note = f"inductor C++ GEMM (AOTInductor) for {total - len(refused)} of {total} matrices"
         if self.weight_format == "int8":
             note += " (the layers' int8 weight-only, their rows in bf16)"
+        note += f"; layers not compiled whole: {layers_note}"
         return "aoti", note + (f"; the others run their own kernels ({refused[0]})" if refused else "")
 
     def _probe_min_rows(self) -> tuple[int, bool]:
@@ -378,6 +387,8 @@ class FastTarget:
     def attention_inputs(self, layer: FusedLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queries (T, heads, D), already scaled by 1/sqrt(D), keys and values (T, kv_heads, D)."""
+        if isinstance(layer, CompiledLayer):
+            return layer.before(x, cos, sin)
         h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = layer.qkv(self.norm(x, layer.ln1)).unflatten(-1, (h + 2 * kv, d))
         qk = qkv[:, : h + kv]
@@ -388,6 +399,8 @@ class FastTarget:
 
     def finish_layer(self, layer: FusedLayer, x: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
         """The residual stream after the layer, given its attention output (T, heads * D)."""
+        if isinstance(layer, CompiledLayer):
+            return layer.after(x, attention)
         x = x + layer.o(attention)
         gate, up = layer.gate_up(self.norm(x, layer.ln2)).chunk(2, dim=-1)
         return x + layer.down(F.silu(gate) * up)

@@ -393,3 +393,33 @@ def exact_three_tokens(model: torch.nn.Module, prompt: list[int], temperature: f
             for c in range(vocab):
                 expected[(a, b, c)] = float(p1[a] * p2[b] * p3[c])
     return expected
+
+
+def two_shape_llama() -> torch.nn.Module:
+    """A tiny Llama whose matrices come in two shapes only (128x64: QKV, gate/up, LM head; 64x64: O,
+    down), so the AOTInductor kernels to build for it are few (``aoti_kernels``, ``aoti_layers``)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)  # clear greedy winners
+    return model.eval()
+
+
+def assert_greedy_lossless(runner, model: torch.nn.Module, max_new_tokens: int = 40) -> None:
+    """Greedy DFlash == greedy AR on ``runner`` (a target runner of ``model``) for every prompt of
+    ``PROMPTS`` and block sizes 2, 4 and 16, with a random drafter and with the oracle."""
+    from dflash_core.speculative import GenerationConfig, collect, stream
+
+    drafter = tiny_drafter(model, layers=1)
+    for prompt in PROMPTS:
+        ar = collect(stream(runner, None, prompt, GenerationConfig(max_new_tokens=max_new_tokens, block_size=1).validated(16)))
+        for block in (2, 4, 16):
+            cfg = GenerationConfig(max_new_tokens=max_new_tokens, block_size=block).validated(16)
+            assert collect(stream(runner, drafter, prompt, cfg)).token_ids == ar.token_ids, block
+            oracle = OracleDrafter(drafter, list(prompt) + ar.token_ids)
+            assert collect(stream(runner, oracle, prompt, cfg)).token_ids == ar.token_ids, (block, "oracle")

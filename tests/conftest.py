@@ -139,3 +139,15 @@ def studio():
 
     studio, _ = build_studio(StudioService(warm_up=False))
     return studio
+
+
+@pytest.fixture(scope="module")
+def kernel_cache(tmp_path_factory):
+    """One cache for the module's tests: the kernels are built once (about a minute)."""
+    before = os.environ.get("DFLASH_CACHE_DIR")
+    os.environ["DFLASH_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))
+    yield Path(os.environ["DFLASH_CACHE_DIR"])
+    if before is None:
+        os.environ.pop("DFLASH_CACHE_DIR")
+    else:
+        os.environ["DFLASH_CACHE_DIR"] = before

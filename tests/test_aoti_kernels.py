@@ -1,63 +1,31 @@
-"""The target's fp32 matrices through inductor's C++ GEMM built ahead of time (``kernels = "aoti"``
-in models.toml): built once per machine and shape, used only where a probe finds it exact per row
-here, lossless when used (greedy DFlash == greedy AR), a clear fallback to oneDNN otherwise."""
+"""The target's matrices through inductor's C++ GEMM built ahead of time (``kernels = "aoti"``
+in models.toml), one matrix at a time: built once per machine and shape, used only where a probe
+finds it exact per row here, lossless when used (greedy DFlash == greedy AR), a clear fallback to
+oneDNN otherwise. Whole compiled layers (tried first) are test_aoti_layers.py's; these tests turn
+them off (``no_compiled_layers``) to test the matrices."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
-from dflash_core import aoti_kernels
+from dflash_core import aoti_kernels, aoti_layers
 from dflash_core.errors import RegistryError
 from dflash_core.kernels import Linear
 from dflash_core.registry import KERNELS, parse_registry
-from dflash_core.speculative import GenerationConfig, collect, stream
 from dflash_core.target import FastTarget, make_runner
+from dflash_core.testing import PROMPTS, assert_greedy_lossless, tiny_target, two_shape_llama
 from dflash_core.weight_formats import Int8Weight
-from dflash_core.testing import PROMPTS, OracleDrafter, tiny_drafter, tiny_target
 
 PAIR = {"target": {"hub": "x/y"}, "drafter": {"random": True}}
+OFF = "turned off for the matrices' tests"
 
 
-def two_shape_llama() -> torch.nn.Module:
-    """A tiny Llama whose matrices come in two shapes only (128x64: QKV, gate/up, LM head; 64x64: O,
-    down), so the kernels to build are two."""
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=3,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)  # clear greedy winners
-    return model.eval()
-
-
-def assert_lossless(runner: FastTarget, model: torch.nn.Module) -> None:
-    """Greedy DFlash == greedy AR on ``runner`` for every prompt and block size, the oracle too."""
-    drafter = tiny_drafter(model, layers=1)
-    for prompt in PROMPTS:
-        ar = collect(stream(runner, None, prompt, GenerationConfig(max_new_tokens=40, block_size=1).validated(16)))
-        for block in (2, 4, 16):
-            cfg = GenerationConfig(max_new_tokens=40, block_size=block).validated(16)
-            assert collect(stream(runner, drafter, prompt, cfg)).token_ids == ar.token_ids, block
-            oracle = OracleDrafter(drafter, list(prompt) + ar.token_ids)
-            assert collect(stream(runner, oracle, prompt, cfg)).token_ids == ar.token_ids, (block, "oracle")
-
-
-@pytest.fixture(scope="module")
-def kernel_cache(tmp_path_factory):
-    """One cache for the module's tests: the kernels are built once (about a minute)."""
-    before = os.environ.get("DFLASH_CACHE_DIR")
-    os.environ["DFLASH_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))
-    yield Path(os.environ["DFLASH_CACHE_DIR"])
-    if before is None:
-        os.environ.pop("DFLASH_CACHE_DIR")
-    else:
-        os.environ["DFLASH_CACHE_DIR"] = before
+@pytest.fixture(autouse=True)
+def no_compiled_layers(monkeypatch):
+    monkeypatch.setattr(aoti_layers, "compiled_layers", lambda target: (None, OFF))
 
 
 def test_registry_reads_kernels_and_refuses_an_unknown_one():
@@ -115,7 +83,7 @@ def test_the_probe_decides_and_greedy_dflash_equals_ar(kernel_cache):
     if runner.kernels != "aoti":  # a CPU where the kernel's rows depend on their company: oneDNN, and why
         assert runner.kernel_note.startswith("asked for aoti, running oneDNN")
         return
-    assert runner.kernel_note == "inductor C++ GEMM (AOTInductor) for 13 of 13 matrices"
+    assert runner.kernel_note == f"inductor C++ GEMM (AOTInductor) for 13 of 13 matrices; layers not compiled whole: {OFF}"
     assert all(isinstance(m, aoti_kernels.AotiLinear) for layer in runner.layers
                for m in (layer.qkv, layer.o, layer.gate_up, layer.down))
     assert runner.batch_invariant
@@ -126,7 +94,7 @@ def test_the_probe_decides_and_greedy_dflash_equals_ar(kernel_cache):
         r.reset(64)
     a, b = runner.forward(ids, None).logits, onednn.forward(ids, None).logits
     assert torch.allclose(a, b, rtol=1e-4, atol=1e-4)
-    assert_lossless(runner, model)
+    assert_greedy_lossless(runner, model)
     # A second target loads the built kernels (nothing rebuilt) ...
     stamps = {p: p.stat().st_mtime_ns for p in kernel_cache.rglob("*.so")}
     again = FastTarget(model, kernels="aoti")
@@ -150,7 +118,7 @@ def test_int8_weights_run_the_int8_gemm_losslessly(kernel_cache):
         assert runner.kernel_note.startswith("asked for aoti, running oneDNN")
         return
     assert runner.kernel_note == ("inductor C++ GEMM (AOTInductor) for 13 of 13 matrices "
-                                  "(the layers' int8 weight-only, their rows in bf16)")
+                                  f"(the layers' int8 weight-only, their rows in bf16); layers not compiled whole: {OFF}")
     kernels = [m.kernel for layer in runner.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
     assert all(isinstance(k, aoti_kernels.AotiInt8Weight) for k in kernels)
     assert isinstance(runner._lm_head, aoti_kernels.AotiLinear)  # the LM head stays fp32
@@ -162,7 +130,7 @@ def test_int8_weights_run_the_int8_gemm_losslessly(kernel_cache):
         r.reset(64)
     a, b = runner.forward(ids, None).logits, full.forward(ids, None).logits
     assert (a - b).norm() <= 3e-2 * b.norm()
-    assert_lossless(runner, model)
+    assert_greedy_lossless(runner, model)
     # A kernel given the wrong layout is caught by the probe, not used.
     library, meta = aoti_kernels.kernel_library(128, 64, "int8")
     reference = Int8Weight(full.layers[0].qkv.weight, torch.float32)  # the eager kernel of the same codes

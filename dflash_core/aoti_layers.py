@@ -1,0 +1,355 @@
+"""The target's decoder layers compiled whole around attention (AOTInductor), on CPU.
+
+With ``kernels = "aoti"``, an eager decoder layer still runs some twenty small PyTorch ops around
+its four matrices (norms, rotary, residuals, SiLU, dtype casts), each dispatched from Python; on a
+135M model that is as much time as the matrices themselves (docs/BENCHMARKS.md). Here each layer's
+two halves around attention, ``FastTarget.attention_inputs`` (norm, QKV, rotary) and
+``FastTarget.finish_layer`` (O, residual, norm, gate/up, SiLU, down, residual), are each one
+AOTInductor kernel: inductor's C++ GEMM (``aoti_kernels``) with the element-wise work fused
+around it. Attention itself stays in ``FastTarget`` (the chain and the tree lay it out their own
+ways, with the same sums).
+
+Every layer of a model has the same shapes, so one kernel per half serves them all, built once per
+machine into the cache beside ``aoti_kernels``' and holding no weights; each layer gets its own
+runner of it with its own weights swapped in. A compiled half replaces the eager one only where a
+probe finds its results the eager half's to rounding; FastTarget's min-rows probe then decides,
+as for every kernel, whether rows stay independent of their company.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import tempfile
+import zipfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from .aoti_kernels import BUILD_LOCK, INT8_ROWS, blocked, kernel_dir, load_runner, swap_in
+from .families import FusedLayer
+from .kernels import probe_rows
+
+MATRICES = {"before": ("qkv",), "after": ("o", "gate_up", "down")}
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """What a compiled layer half depends on besides the machine: the model's shapes and math."""
+
+    kind: str  # "float32" or "int8" (the layers' matrices; rows and the rest in float32)
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    eps: float
+    biases: tuple[str, ...] = ()  # the matrices with a bias
+    qk_norm: bool = False
+
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
+
+    def shapes(self) -> dict[str, tuple[int, int]]:
+        qkv = (self.heads + 2 * self.kv_heads) * self.head_dim
+        return {"qkv": (qkv, self.hidden), "o": (self.hidden, self.heads * self.head_dim),
+                "gate_up": (2 * self.intermediate, self.hidden), "down": (self.hidden, self.intermediate)}
+
+
+def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # FastTarget.norm's math, op for op.
+    y = x.float()
+    y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * y.to(x.dtype)
+
+
+class _Matrix(torch.nn.Module):
+    """One matrix as the eager layer runs it: ``kernels.Linear`` (fp32) or ``QuantizedLinear`` of
+    an ``Int8Weight`` (int8 codes, per-channel scales, rows in bf16)."""
+
+    def __init__(self, kind: str, out_features: int, in_features: int, bias: bool) -> None:
+        super().__init__()
+        self.kind = kind
+        if kind == "int8":
+            self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int8))
+            self.register_buffer("scales", torch.ones(out_features, dtype=INT8_ROWS))
+        else:
+            self.weight = torch.nn.Parameter(torch.zeros(out_features, in_features), requires_grad=False)
+        self.bias = torch.nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "int8":
+            y = torch.ops.aten._weight_int8pack_mm(x.to(INT8_ROWS), self.weight, self.scales).to(x.dtype)
+            return y if self.bias is None else y + self.bias
+        return F.linear(x, self.weight, self.bias)
+
+
+class _Before(torch.nn.Module):
+    """``FastTarget.attention_inputs``: (x, cos, sin) -> queries, keys, values."""
+
+    def __init__(self, spec: LayerSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        n, k = spec.shapes()["qkv"]
+        self.ln1 = torch.nn.Parameter(torch.ones(spec.hidden), requires_grad=False)
+        self.qkv = _Matrix(spec.kind, n, k, "qkv" in spec.biases)
+        if spec.qk_norm:
+            self.qk_norm = torch.nn.Parameter(torch.ones(spec.heads + spec.kv_heads, spec.head_dim), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        s = self.spec
+        h, kv, d = s.heads, s.kv_heads, s.head_dim
+        qkv = self.qkv(_norm(x, self.ln1, s.eps)).unflatten(-1, (h + 2 * kv, d))
+        qk = qkv[:, : h + kv]
+        if s.qk_norm:
+            qk = _norm(qk, self.qk_norm, s.eps)
+        qk = qk * cos + qk.roll(d // 2, dims=-1) * sin
+        return qk[:, :h], qk[:, h:], qkv[:, h + kv :]
+
+
+class _After(torch.nn.Module):
+    """``FastTarget.finish_layer``: (x, attention) -> the residual stream after the layer."""
+
+    def __init__(self, spec: LayerSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        shapes = spec.shapes()
+        self.o = _Matrix(spec.kind, *shapes["o"], "o" in spec.biases)
+        self.ln2 = torch.nn.Parameter(torch.ones(spec.hidden), requires_grad=False)
+        self.gate_up = _Matrix(spec.kind, *shapes["gate_up"], "gate_up" in spec.biases)
+        self.down = _Matrix(spec.kind, *shapes["down"], "down" in spec.biases)
+
+    def forward(self, x: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
+        x = x + self.o(attention)
+        gate, up = self.gate_up(_norm(x, self.ln2, self.spec.eps)).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)
+
+
+def _half(spec: LayerSpec, half: str) -> torch.nn.Module:
+    return (_Before if half == "before" else _After)(spec).eval()
+
+
+def _example(spec: LayerSpec, half: str, rows: int, generator: torch.Generator | None = None) -> tuple:
+    def rand(*shape):
+        return torch.randn(*shape, generator=generator) if generator is not None else torch.zeros(*shape)
+
+    if half == "before":
+        angles = (rows, spec.heads + spec.kv_heads, spec.head_dim)
+        return rand(rows, spec.hidden), rand(*angles), rand(*angles)
+    return rand(rows, spec.hidden), rand(rows, spec.heads * spec.head_dim)
+
+
+def _constants_of(source: str) -> dict[str, tuple[int, ...]]:
+    """Each constant's name and shape, as the generated wrapper declares them (the runner gives
+    names and dtypes but not shapes; the GEMM's weights are stored blocked, in a shape it chose)."""
+    names = dict(re.findall(r'constants_info_\[(\d+)\]\.name = "([^"]+)";', source))
+    shapes = dict(re.findall(r"constants_info_\[(\d+)\]\.shape = \{([^}]*)\};", source))
+    return {names[i]: tuple(int(v) for v in shapes[i].split(",") if v.strip()) for i in names}
+
+
+def _assign(spec: LayerSpec, half: str, declared: dict[str, tuple[int, ...]], fqns: dict[str, str]) -> list[dict]:
+    """Where each of the kernel's constants comes from: a parameter of the half (by its name) or a
+    matrix's weight in the blocked layout (by shape; matrices of one shape in the graph's order)."""
+    params = dict(_half(spec, half).named_parameters()) | dict(_half(spec, half).named_buffers())
+    shapes = spec.shapes()
+    open_matrices = list(MATRICES[half])
+    plan = []
+    for name in sorted(declared, key=lambda n: (not n.startswith("constant"), int(n[8:]) if n[8:].isdigit() else 0, n)):
+        fqn = fqns.get(name, name)
+        if fqn in params:
+            plan.append({"name": name, "source": fqn, "block": None})
+            continue
+        shape = declared[name]
+        match = [m for m in open_matrices if len(shape) == 3 and shapes[m] == (shape[0] * shape[2], shape[1])]
+        if not match:
+            raise RuntimeError(f"the kernel's constant {name} {shape} is neither a parameter nor a blocked matrix")
+        open_matrices.remove(match[0])
+        plan.append({"name": name, "source": f"{match[0]}.weight", "block": shape[2]})
+    if open_matrices:
+        raise RuntimeError(f"no blocked weight found in the kernel for {', '.join(open_matrices)}")
+    return plan
+
+
+def _constants(plan: list[dict], params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {c["name"]: (params[c["source"]] if c["block"] is None else blocked(params[c["source"]], c["block"]))
+            for c in plan}
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, kind: str) -> bool:
+    """To rounding: fp32's for fp32 matrices; bf16 rows' for int8 ones. A constant in the wrong
+    place is off by the size of the results themselves."""
+    tolerance = 1e-4 if kind == "float32" else 2e-2
+    return bool((got.float() - want.float()).norm() <= tolerance * want.float().norm())
+
+
+def _random_params(module: torch.nn.Module, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    params = {}
+    for name, value in list(module.named_parameters()) + list(module.named_buffers()):
+        if value.dtype == torch.int8:
+            new = torch.randint(-127, 128, value.shape, generator=generator, dtype=torch.int8)
+        elif name.endswith("scales"):
+            new = (torch.rand(value.shape, generator=generator) / 64 + 1 / 128).to(value.dtype)
+        elif name.endswith("weight"):
+            new = torch.randn(value.shape, generator=generator) / value.shape[-1] ** 0.5
+        else:
+            new = torch.rand(value.shape, generator=generator) + 0.5
+        value.data = new.to(value.dtype)
+        params[name] = value.data
+    return params
+
+
+def _build(spec: LayerSpec, half: str, library: Path) -> dict:
+    import torch._inductor  # seconds to import: only when a kernel is built
+
+    module = _half(spec, half)
+    rows = torch.export.Dim("rows", min=1, max=1 << 16)
+    dims = tuple({0: rows} for _ in _example(spec, half, 2))
+    configs = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP",
+               "aot_inductor.package_constants_in_so": False}
+    with tempfile.TemporaryDirectory(dir=library.parent) as folder:
+        package = Path(folder) / "package.pt2"
+        with torch.no_grad():
+            program = torch.export.export(module, _example(spec, half, 2), dynamic_shapes=dims)
+            torch._inductor.aoti_compile_and_package(program, package_path=str(package), inductor_configs=configs)
+        with zipfile.ZipFile(package) as archive:
+            members = [m for m in archive.namelist() if m.endswith(".so")]
+            if len(members) != 1:
+                raise RuntimeError(f"expected one shared object in the package, found {members}")
+            source = "".join(archive.read(m).decode(errors="replace") for m in archive.namelist() if m.endswith(".cpp"))
+            staged = Path(folder) / library.name
+            staged.write_bytes(archive.read(members[0]))
+        runner = load_runner(staged)
+        plan = _assign(spec, half, _constants_of(source), dict(runner.get_constant_names_to_original_fqns()))
+        # The plan proven on random weights against the eager half.
+        generator = torch.Generator().manual_seed(0)
+        params = _random_params(module, generator)
+        constants = _constants(plan, params)
+        swap_in(runner, constants)
+        example = _example(spec, half, 5, generator)
+        with torch.inference_mode():
+            got, want = runner.run(list(example)), module(*example)
+        want = want if isinstance(want, tuple) else (want,)
+        if len(got) != len(want) or not all(_close(g, w, spec.kind) for g, w in zip(got, want)):
+            raise RuntimeError("the compiled layer's results are not the eager layer's")
+        meta = {"spec": asdict(spec), "constants": plan}
+        os.replace(staged, library)
+        library.with_suffix(".json").write_text(json.dumps(meta))
+        return meta
+
+
+def layer_library(spec: LayerSpec, half: str) -> tuple[Path, dict]:
+    """The compiled ``half`` ("before" or "after" attention) for layers of ``spec``, built here
+    first if the cache lacks it."""
+    folder = kernel_dir()
+    library = folder / f"layer-{half}-{spec.kind}-{spec.digest()}.so"
+    meta_file = library.with_suffix(".json")
+    with BUILD_LOCK:
+        if not (library.exists() and meta_file.exists()):
+            folder.mkdir(parents=True, exist_ok=True)
+            return library, _build(spec, half, library)
+    return library, json.loads(meta_file.read_text())
+
+
+class CompiledHalf:
+    """One layer's half through its runner; ``constants`` keeps the tensors it reads in place."""
+
+    def __init__(self, library: Path, meta: dict, params: dict[str, torch.Tensor]) -> None:
+        self.constants = _constants(meta["constants"], params)
+        self.runner = load_runner(library)
+        swap_in(self.runner, self.constants)
+
+    def __call__(self, *inputs: torch.Tensor):
+        out = self.runner.run([t.contiguous() for t in inputs])
+        return out[0] if len(out) == 1 else tuple(out)
+
+
+@dataclass
+class CompiledLayer(FusedLayer):
+    """A ``FusedLayer`` whose two halves run compiled (``FastTarget.attention_inputs`` and
+    ``finish_layer`` call them); its eager fields stay, unchanged, for what reads the weights."""
+
+    before: Callable = field(default=None, repr=False)
+    after: Callable = field(default=None, repr=False)
+
+
+def layer_spec(layer: FusedLayer, target) -> tuple[LayerSpec | None, str | None]:
+    """The spec of ``layer`` in ``target`` (a ``FastTarget``), or why it cannot be compiled."""
+    from .kernels import Linear
+    from .weight_formats import Int8Weight, QuantizedLinear
+
+    if target.dtype != torch.float32 or target.device.type != "cpu":
+        return None, f"only fp32 targets on CPU are compiled, not {target.dtype} on {target.device.type}"
+    matrices = {name: getattr(layer, name) for name in ("qkv", "o", "gate_up", "down")}
+    if all(isinstance(m, QuantizedLinear) and isinstance(m.kernel, Int8Weight) for m in matrices.values()):
+        kind = "int8"
+    elif all(isinstance(m, Linear) and m.weight.dtype == torch.float32 for m in matrices.values()):
+        kind = "float32"
+    else:
+        return None, "only fp32 and int8 weight-only layers are compiled"
+    spec = LayerSpec(kind=kind, hidden=target.hidden_size, heads=target.num_heads, kv_heads=target.num_kv_heads,
+                     head_dim=target.head_dim, intermediate=matrices["down"].in_features if kind == "int8"
+                     else matrices["down"].weight.shape[1], eps=target.eps,
+                     biases=tuple(name for name, m in matrices.items() if m.bias is not None),
+                     qk_norm=layer.qk_norm is not None)
+    shapes = spec.shapes()
+    for name, m in matrices.items():
+        shape = tuple(m.kernel.shape) if kind == "int8" else tuple(m.weight.shape)
+        if shape != shapes[name]:
+            return None, f"the layer's {name} is {shape}, not the {shapes[name]} its shapes imply"
+    return spec, None
+
+
+def _layer_params(layer: FusedLayer, kind: str) -> dict[str, torch.Tensor]:
+    params: dict[str, torch.Tensor] = {"ln1": layer.ln1, "ln2": layer.ln2}
+    if layer.qk_norm is not None:
+        params["qk_norm"] = layer.qk_norm
+    for name in ("qkv", "o", "gate_up", "down"):
+        m = getattr(layer, name)
+        if kind == "int8":
+            params[f"{name}.weight"] = m.kernel.q
+            params[f"{name}.scales"] = m.kernel.scales.to(INT8_ROWS).contiguous()
+        else:
+            params[f"{name}.weight"] = m.weight
+        if m.bias is not None:
+            params[f"{name}.bias"] = m.bias
+    return params
+
+
+def compiled_layers(target) -> tuple[list[CompiledLayer] | None, str]:
+    """``target.layers`` (a ``FastTarget``'s) with both halves compiled, and a note; ``(None, why
+    not)`` where a spec, a build or the probe against the eager halves refuses."""
+    from dataclasses import fields
+
+    layers = target.layers
+    spec, why = layer_spec(layers[0], target)
+    if spec is None:
+        return None, why
+    try:
+        libraries = {half: layer_library(spec, half) for half in MATRICES}
+    except Exception as exc:  # a compiler or AOTInductor failure here: the eager layers keep running
+        return None, f"building the layer kernels failed: {type(exc).__name__}: {str(exc)[:200]}"
+    out = []
+    generator = torch.Generator().manual_seed(0)
+    x = probe_rows(spec.hidden, torch.float32)
+    angles = (x.shape[0], spec.heads + spec.kv_heads, spec.head_dim)
+    cos, sin = torch.randn(*angles, generator=generator), torch.randn(*angles, generator=generator)
+    attention = torch.randn(x.shape[0], spec.heads * spec.head_dim, generator=generator)
+    for i, layer in enumerate(layers):
+        other, why = layer_spec(layer, target)
+        if other != spec:
+            return None, f"layer {i} differs from layer 0 ({why or other})"
+        params = _layer_params(layer, spec.kind)
+        before, after = (CompiledHalf(*libraries[half], params) for half in MATRICES)
+        with torch.inference_mode():
+            eager_before = target.attention_inputs(layer, x, cos, sin)
+            if not all(_close(g, w, spec.kind) for g, w in zip(before(x, cos, sin), eager_before)):
+                return None, f"layer {i}'s compiled attention inputs are not the eager ones"
+            if not _close(after(x, attention), target.finish_layer(layer, x, attention), spec.kind):
+                return None, f"layer {i}'s compiled finish is not the eager one"
+        out.append(CompiledLayer(**{f.name: getattr(layer, f.name) for f in fields(FusedLayer)}, before=before, after=after))
+    return out, f"{len(out)} of {len(layers)} decoder layers compiled whole around attention ({spec.kind} matrices)"

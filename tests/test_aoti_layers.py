@@ -1,0 +1,109 @@
+"""Decoder layers compiled whole around attention (``aoti_layers``, tried first with ``kernels =
+"aoti"``): one kernel per half for all of a model's layers, each layer's weights swapped in, used
+only where a probe finds it the eager layer to rounding, lossless when used, and a clear fallback
+to the matrix-by-matrix kernels otherwise."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash_core import aoti_kernels, aoti_layers
+from dflash_core.target import FastTarget
+from dflash_core.testing import PROMPTS, assert_greedy_lossless, tiny_target, two_shape_llama
+
+pytestmark = pytest.mark.skipif(not aoti_kernels.available(), reason="no C++ compiler or AOTInductor here")
+
+SPEC = aoti_layers.LayerSpec(kind="float32", hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=64, eps=1e-6)
+
+
+def test_the_wrappers_declared_constants_are_read_with_their_shapes():
+    source = '''
+    constants_info_[0].name = "ln1";
+    constants_info_[0].shape = {64};
+    constants_info_[1].name = "constant1";
+    constants_info_[1].shape = {5, 64, 24};
+    '''
+    assert aoti_layers._constants_of(source) == {"ln1": (64,), "constant1": (5, 64, 24)}
+
+
+def test_constants_are_matched_to_parameters_and_blocked_matrices_by_shape():
+    declared = {"constant3": (8, 64, 16), "constant2": (4, 64, 16), "constant4": (4, 64, 16), "ln2": (64,)}
+    plan = aoti_layers._assign(SPEC, "after", declared, {"ln2": "ln2"})
+    # o (64x64) and down (64x64) share a shape: the graph's order (constant2 before constant4) decides.
+    assert plan == [{"name": "constant2", "source": "o.weight", "block": 16},
+                    {"name": "constant3", "source": "gate_up.weight", "block": 16},
+                    {"name": "constant4", "source": "down.weight", "block": 16},
+                    {"name": "ln2", "source": "ln2", "block": None}]
+    with pytest.raises(RuntimeError, match="neither a parameter nor a blocked matrix"):
+        aoti_layers._assign(SPEC, "after", {**declared, "constant5": (3, 7)}, {})
+    with pytest.raises(RuntimeError, match="no blocked weight found in the kernel for down"):
+        aoti_layers._assign(SPEC, "after", {k: v for k, v in declared.items() if k != "constant4"}, {})
+
+
+def test_a_bf16_target_is_not_compiled():
+    runner = FastTarget(tiny_target("llama", dtype=torch.bfloat16))
+    spec, why = aoti_layers.layer_spec(runner.layers[0], runner)
+    assert spec is None and why == "only fp32 targets on CPU are compiled, not torch.bfloat16 on cpu"
+
+
+def test_a_failed_layer_build_falls_back_to_the_matrices_and_says_why(monkeypatch, kernel_cache):
+    def broken(*args, **kwargs):
+        raise RuntimeError("no compiler today")
+
+    monkeypatch.setattr(aoti_layers, "layer_library", broken)
+    monkeypatch.setattr(aoti_kernels, "kernel_library", broken)
+    runner = FastTarget(two_shape_llama(), kernels="aoti")
+    assert not any(isinstance(layer, aoti_layers.CompiledLayer) for layer in runner.layers)
+    assert runner.kernels == "onednn"
+    assert "building or loading the kernel failed: RuntimeError: no compiler today" in runner.kernel_note
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("weights", ["bf16", "int8"])
+def test_compiled_layers_are_the_eager_ones_and_lossless(weights, kernel_cache):
+    model = two_shape_llama()
+    runner = FastTarget(model, weights=weights, kernels="aoti")
+    kind = "float32" if weights == "bf16" else "int8"
+    if runner.kernels != "aoti":  # a CPU where the kernels' rows depend on their company: and why
+        assert runner.kernel_note.startswith("asked for aoti, running oneDNN")
+        return
+    assert runner.kernel_note == (f"3 of 3 decoder layers compiled whole around attention ({kind} matrices); "
+                                  "the LM head through the C++ GEMM")
+    assert all(isinstance(layer, aoti_layers.CompiledLayer) for layer in runner.layers)
+    built = {p.name for p in kernel_cache.rglob("layer-*.so")}
+    for half in ("before", "after"):
+        assert len([name for name in built if name.startswith(f"layer-{half}-{kind}-")]) == 1, built
+    assert runner.batch_invariant
+    # The eager layers of the same weights: the same logits to rounding (fp32's, or bf16 rows' for int8).
+    eager = FastTarget(model, weights=weights)
+    ids = torch.tensor(PROMPTS[0])
+    for r in (runner, eager):
+        r.reset(64)
+    a, b = runner.forward(ids, None).logits, eager.forward(ids, None).logits
+    if eager.weight_format == runner.weight_format:
+        assert (a - b).norm() <= (1e-4 if kind == "float32" else 2e-2) * b.norm()
+    assert_greedy_lossless(runner, model)
+    # A second target loads the built kernels: nothing is rebuilt.
+    stamps = {p: p.stat().st_mtime_ns for p in kernel_cache.rglob("layer-*.so")}
+    again = FastTarget(model, weights=weights, kernels="aoti")
+    assert again.kernels == "aoti" and {p: p.stat().st_mtime_ns for p in kernel_cache.rglob("layer-*.so")} == stamps
+
+
+@pytest.mark.slow
+def test_qwen3s_qk_norm_is_compiled_too(kernel_cache):
+    model = tiny_target("qwen3")
+    runner = FastTarget(model, kernels="aoti")
+    if runner.kernels != "aoti":
+        assert runner.kernel_note.startswith("asked for aoti, running oneDNN")
+        return
+    assert all(isinstance(layer, aoti_layers.CompiledLayer) for layer in runner.layers)
+    spec, _ = aoti_layers.layer_spec(runner.layers[0], runner)
+    assert spec.qk_norm
+    eager = FastTarget(model)
+    ids = torch.tensor(PROMPTS[2])
+    for r in (runner, eager):
+        r.reset(64)
+    a, b = runner.forward(ids, None).logits, eager.forward(ids, None).logits
+    assert (a - b).norm() <= 1e-4 * b.norm()
+    assert_greedy_lossless(runner, model)
