@@ -320,11 +320,17 @@ def _layer_params(layer: FusedLayer, kind: str) -> dict[str, torch.Tensor]:
     return params
 
 
+# Set to 0 to run the matrices one by one instead (to measure one against the other).
+SWITCH = "DFLASH_AOTI_WHOLE_LAYERS"
+
+
 def compiled_layers(target) -> tuple[list[CompiledLayer] | None, str]:
     """``target.layers`` (a ``FastTarget``'s) with both halves compiled, and a note; ``(None, why
     not)`` where a spec, a build or the probe against the eager halves refuses."""
     from dataclasses import fields
 
+    if os.environ.get(SWITCH, "1") == "0":
+        return None, f"turned off ({SWITCH}=0)"
     layers = target.layers
     spec, why = layer_spec(layers[0], target)
     if spec is None:

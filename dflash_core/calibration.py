@@ -55,6 +55,8 @@ def machine_key(target: TargetRunner, pair: str, block_size: int) -> str:
     kernels = getattr(target, "kernels", "onednn")
     if kernels != "onednn":  # other kernels, other costs per row (oneDNN keys stay as they were)
         parts.append(f"kernels={kernels}")
+    if getattr(target, "compiled_layers", False):  # whole compiled layers cost differently again
+        parts.append("layers=compiled")
     return " | ".join(parts)
 
 

@@ -41,7 +41,7 @@ from .kv_cache import KVCache, round_capacity
 from .rollback import CacheRollback
 from .tree import DraftTree
 from .tree_attention import TreeAttention
-from .weight_formats import WEIGHT_FORMATS, QuantizedLinear, quantized_layers
+from .weight_formats import WEIGHT_FORMATS, Int8Weight, QuantizedLinear, quantized_layers
 
 PREFILL_CHUNK = 512  # longest slice of a prompt FastTarget processes at once
 # Fewest rows per pass FastTarget tries (see FastTarget._probe_min_rows): a lone row always takes
@@ -231,6 +231,7 @@ class FastTarget:
         self.device = self.embed_weight.device
         self.dtype = self.embed_weight.dtype
         self._lm_head = fused.lm_head
+        self._lm_head_weight = fused.lm_head.weight  # full precision whatever runs the head (the drafter shares it)
         self.final_norm = fused.final_norm
         self.rotary = fused.rotary
         self.layers = fused.layers
@@ -249,6 +250,7 @@ class FastTarget:
                 self.layers, self.weight_format, self.weight_note = layers, weights, note
         # The kernels the full-precision matrices run on (``kernels``; see aoti_kernels.py).
         self.kernels, self.kernel_note = "onednn", "oneDNN"
+        self.compiled_layers = False  # whether the layers run aoti_layers' whole-half kernels
         onednn_layers, onednn_head = self.layers, self._lm_head
         if kernels == "aoti":
             self.kernels, self.kernel_note = self._use_aoti()
@@ -258,6 +260,7 @@ class FastTarget:
         self.min_rows, self.batch_invariant = self._probe_min_rows()
         if self.kernels == "aoti" and not self.batch_invariant:
             self.layers, self._lm_head, self.kernels = onednn_layers, onednn_head, "onednn"
+            self.compiled_layers = False
             self.kernel_note = ("asked for aoti, running oneDNN: with its kernels no padding made a position's "
                                 "logits independent of the size of its pass on this CPU")
             self.min_rows, self.batch_invariant = self._probe_min_rows()
@@ -281,10 +284,16 @@ class FastTarget:
         # Whole layers first (the element-wise work fused around the GEMMs); else matrix by matrix.
         compiled, layers_note = aoti_layers.compiled_layers(self)
         if compiled is not None:
-            self.layers = compiled
-            head, why = aoti_kernels.aoti_linear(self._lm_head)
-            self._lm_head = head
-            return "aoti", f"{layers_note}; the LM head " + (f"on oneDNN ({why})" if why else "through the C++ GEMM")
+            self.layers, self.compiled_layers = compiled, True
+            if self.weight_format == "int8":  # the head's 113 MB in fp32 would be the step's largest read
+                head, why = aoti_kernels.aoti_int8_linear(QuantizedLinear(Int8Weight(self._lm_head_weight, self.dtype)))
+                where = "int8 through the int8 GEMM"
+            else:
+                head, why = aoti_kernels.aoti_linear(self._lm_head)
+                where = "through the C++ GEMM"
+            if why is None:
+                self._lm_head = head
+            return "aoti", f"{layers_note}; the LM head " + (f"on oneDNN ({why})" if why else where)
         refused: list[str] = []
 
         def swap(linear):
@@ -373,7 +382,7 @@ class FastTarget:
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
-        return self._lm_head.weight
+        return self._lm_head_weight
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         y = x.float()

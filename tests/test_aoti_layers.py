@@ -47,6 +47,12 @@ def test_a_bf16_target_is_not_compiled():
     assert spec is None and why == "only fp32 targets on CPU are compiled, not torch.bfloat16 on cpu"
 
 
+def test_the_switch_turns_whole_layers_off(monkeypatch):
+    monkeypatch.setenv(aoti_layers.SWITCH, "0")
+    runner = FastTarget(tiny_target("llama"))
+    assert aoti_layers.compiled_layers(runner) == (None, "turned off (DFLASH_AOTI_WHOLE_LAYERS=0)")
+
+
 def test_a_failed_layer_build_falls_back_to_the_matrices_and_says_why(monkeypatch, kernel_cache):
     def broken(*args, **kwargs):
         raise RuntimeError("no compiler today")
@@ -68,8 +74,10 @@ def test_compiled_layers_are_the_eager_ones_and_lossless(weights, kernel_cache):
     if runner.kernels != "aoti":  # a CPU where the kernels' rows depend on their company: and why
         assert runner.kernel_note.startswith("asked for aoti, running oneDNN")
         return
-    assert runner.kernel_note == (f"3 of 3 decoder layers compiled whole around attention ({kind} matrices); "
-                                  "the LM head through the C++ GEMM")
+    head = "through the C++ GEMM" if kind == "float32" else "int8 through the int8 GEMM"
+    assert runner.kernel_note == f"3 of 3 decoder layers compiled whole around attention ({kind} matrices); the LM head {head}"
+    # The drafter reads the full-precision head whatever runs the target's.
+    assert runner.lm_head_weight is model.lm_head.weight or torch.equal(runner.lm_head_weight, model.lm_head.weight)
     assert all(isinstance(layer, aoti_layers.CompiledLayer) for layer in runner.layers)
     built = {p.name for p in kernel_cache.rglob("layer-*.so")}
     for half in ("before", "after"):

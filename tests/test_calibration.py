@@ -44,6 +44,11 @@ def test_costs_are_measured_once_then_reused_after_a_spot_check(runner, monkeypa
     assert json.loads(calibration.cache_file().read_text())[key] == {"verify": [3.0, 4.0]}
     # Another pair, block size or runner is another entry.
     assert calibration.machine_key(runner, "tiny", 8) != key != calibration.machine_key(runner, "other", 16)
+    # So are other kernels, and whole compiled layers on them.
+    runner.kernels = "aoti"
+    matrices = calibration.machine_key(runner, "tiny", 16)
+    runner.compiled_layers = True
+    assert len({key, matrices, calibration.machine_key(runner, "tiny", 16)}) == 3
 
 
 def test_the_spot_check_measures_the_runner(runner):
