@@ -141,27 +141,53 @@ def swap_in(runner, constants: dict[str, torch.Tensor]) -> None:
     runner.update_constant_buffer(constants, False, True, True)
 
 
+def compile_shared_object(module: torch.nn.Module, example: tuple, folder: Path, name: str) -> tuple[Path, str]:
+    """``module`` compiled by AOTInductor (inductor's C++ GEMMs, max-autotune, frozen weights left
+    out of the object), dimension 0 of every input (the rows) dynamic: the shared object, staged in
+    ``folder`` as ``name``, and the generated C++ source (it declares the constants' shapes)."""
+    import torch._inductor  # seconds to import: only when a kernel is built
+
+    rows = torch.export.Dim("rows", min=1, max=1 << 16)
+    configs = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP",
+               "aot_inductor.package_constants_in_so": False}
+    package = folder / "package.pt2"
+    with torch.no_grad():
+        program = torch.export.export(module, example, dynamic_shapes=tuple({0: rows} for _ in example))
+        torch._inductor.aoti_compile_and_package(program, package_path=str(package), inductor_configs=configs)
+    with zipfile.ZipFile(package) as archive:
+        members = [m for m in archive.namelist() if m.endswith(".so")]
+        if len(members) != 1:
+            raise RuntimeError(f"expected one shared object in the package, found {members}")
+        source = "".join(archive.read(m).decode(errors="replace") for m in archive.namelist() if m.endswith(".cpp"))
+        staged = folder / name
+        staged.write_bytes(archive.read(members[0]))
+    return staged, source
+
+
+def install(staged: Path, library: Path, meta: dict) -> dict:
+    """A built and probed kernel into the cache, its metadata beside it."""
+    os.replace(staged, library)
+    library.with_suffix(".json").write_text(json.dumps(meta))
+    return meta
+
+
+def cached(library: Path, build) -> tuple[Path, dict]:
+    """``library`` and its metadata from the cache, ``build(library)`` first where it is missing."""
+    meta_file = library.with_suffix(".json")
+    with BUILD_LOCK:
+        if not (library.exists() and meta_file.exists()):
+            library.parent.mkdir(parents=True, exist_ok=True)
+            return library, build(library)
+    return library, json.loads(meta_file.read_text())
+
+
 def _build(out_features: int, in_features: int, kind: str, library: Path) -> dict:
     """Compile the kernel for one shape into ``library`` (a shared object holding no weights) and
     find the names of its constants (the weight, and for int8 its scales) and the weight's blocked
     layout."""
-    import torch._inductor  # seconds to import: only when a kernel is built
-
     module, rows_dtype = _kind_parts(kind, out_features, in_features)
-    rows = torch.export.Dim("rows", min=1, max=1 << 16)
-    configs = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP",
-               "aot_inductor.package_constants_in_so": False}
     with tempfile.TemporaryDirectory(dir=library.parent) as folder:
-        package = Path(folder) / "package.pt2"
-        with torch.no_grad():
-            program = torch.export.export(module, (torch.zeros(2, in_features, dtype=rows_dtype),), dynamic_shapes=({0: rows},))
-            torch._inductor.aoti_compile_and_package(program, package_path=str(package), inductor_configs=configs)
-        with zipfile.ZipFile(package) as archive:
-            members = [m for m in archive.namelist() if m.endswith(".so")]
-            if len(members) != 1:
-                raise RuntimeError(f"expected one shared object in the package, found {members}")
-            staged = Path(folder) / library.name
-            staged.write_bytes(archive.read(members[0]))
+        staged, _ = compile_shared_object(module, (torch.zeros(2, in_features, dtype=rows_dtype),), Path(folder), library.name)
         runner = load_runner(staged)
         names = list(runner.get_constant_names_to_original_fqns())
         scales_name = "scales" if kind == "int8" else None
@@ -183,10 +209,8 @@ def _build(out_features: int, in_features: int, kind: str, library: Path) -> dic
             except RuntimeError:
                 continue
             if close:
-                meta = {"constant": weight_names[0], "block": block, **({"scales": scales_name} if scales_name else {})}
-                os.replace(staged, library)
-                library.with_suffix(".json").write_text(json.dumps(meta))
-                return meta
+                return install(staged, library, {"constant": weight_names[0], "block": block,
+                                                 **({"scales": scales_name} if scales_name else {})})
     raise RuntimeError(f"none of the blocked layouts {BLOCK_CANDIDATES} gives the kernel's products")
 
 
@@ -195,14 +219,8 @@ def kernel_library(out_features: int, in_features: int, kind: str = "float32") -
     if the cache lacks it."""
     if kind not in MATRIX_KINDS:
         raise ValueError(f"kernel kind {kind!r}; allowed: {', '.join(MATRIX_KINDS)}")
-    folder = kernel_dir()
-    library = folder / f"linear-{out_features}x{in_features}-{kind}.so"
-    meta_file = library.with_suffix(".json")
-    with BUILD_LOCK:
-        if not (library.exists() and meta_file.exists()):
-            folder.mkdir(parents=True, exist_ok=True)
-            return library, _build(out_features, in_features, kind, library)
-    return library, json.loads(meta_file.read_text())
+    library = kernel_dir() / f"linear-{out_features}x{in_features}-{kind}.so"
+    return cached(library, lambda path: _build(out_features, in_features, kind, path))
 
 
 class AotiLinear:

@@ -23,7 +23,6 @@ import json
 import os
 import re
 import tempfile
-import zipfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -31,7 +30,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .aoti_kernels import BUILD_LOCK, INT8_ROWS, blocked, kernel_dir, load_runner, swap_in
+from .aoti_kernels import INT8_ROWS, blocked, cached, compile_shared_object, install, kernel_dir, load_runner, swap_in
 from .families import FusedLayer
 from .kernels import probe_rows
 
@@ -204,55 +203,28 @@ def _random_params(module: torch.nn.Module, generator: torch.Generator) -> dict[
 
 
 def _build(spec: LayerSpec, half: str, library: Path) -> dict:
-    import torch._inductor  # seconds to import: only when a kernel is built
-
     module = _half(spec, half)
-    rows = torch.export.Dim("rows", min=1, max=1 << 16)
-    dims = tuple({0: rows} for _ in _example(spec, half, 2))
-    configs = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP",
-               "aot_inductor.package_constants_in_so": False}
     with tempfile.TemporaryDirectory(dir=library.parent) as folder:
-        package = Path(folder) / "package.pt2"
-        with torch.no_grad():
-            program = torch.export.export(module, _example(spec, half, 2), dynamic_shapes=dims)
-            torch._inductor.aoti_compile_and_package(program, package_path=str(package), inductor_configs=configs)
-        with zipfile.ZipFile(package) as archive:
-            members = [m for m in archive.namelist() if m.endswith(".so")]
-            if len(members) != 1:
-                raise RuntimeError(f"expected one shared object in the package, found {members}")
-            source = "".join(archive.read(m).decode(errors="replace") for m in archive.namelist() if m.endswith(".cpp"))
-            staged = Path(folder) / library.name
-            staged.write_bytes(archive.read(members[0]))
+        staged, source = compile_shared_object(module, _example(spec, half, 2), Path(folder), library.name)
         runner = load_runner(staged)
         plan = _assign(spec, half, _constants_of(source), dict(runner.get_constant_names_to_original_fqns()))
         # The plan proven on random weights against the eager half.
         generator = torch.Generator().manual_seed(0)
-        params = _random_params(module, generator)
-        constants = _constants(plan, params)
-        swap_in(runner, constants)
+        swap_in(runner, _constants(plan, _random_params(module, generator)))
         example = _example(spec, half, 5, generator)
         with torch.inference_mode():
             got, want = runner.run(list(example)), module(*example)
         want = want if isinstance(want, tuple) else (want,)
         if len(got) != len(want) or not all(_close(g, w, spec.kind) for g, w in zip(got, want)):
             raise RuntimeError("the compiled layer's results are not the eager layer's")
-        meta = {"spec": asdict(spec), "constants": plan}
-        os.replace(staged, library)
-        library.with_suffix(".json").write_text(json.dumps(meta))
-        return meta
+        return install(staged, library, {"spec": asdict(spec), "constants": plan})
 
 
 def layer_library(spec: LayerSpec, half: str) -> tuple[Path, dict]:
     """The compiled ``half`` ("before" or "after" attention) for layers of ``spec``, built here
     first if the cache lacks it."""
-    folder = kernel_dir()
-    library = folder / f"layer-{half}-{spec.kind}-{spec.digest()}.so"
-    meta_file = library.with_suffix(".json")
-    with BUILD_LOCK:
-        if not (library.exists() and meta_file.exists()):
-            folder.mkdir(parents=True, exist_ok=True)
-            return library, _build(spec, half, library)
-    return library, json.loads(meta_file.read_text())
+    library = kernel_dir() / f"layer-{half}-{spec.kind}-{spec.digest()}.so"
+    return cached(library, lambda path: _build(spec, half, path))
 
 
 class CompiledHalf:
