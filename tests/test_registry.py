@@ -23,6 +23,10 @@ def test_the_projects_registry_parses_with_the_expected_pairs():
     for name in ("qwen3-4b", "qwen3-8b", "llama31-8b"):
         assert registry.get(name).needs_cuda
     assert registry.get("qwen3-8b-4bit").quantization == "4bit"
+    # The default pair's models on the fastest CPU kernels (docs/BENCHMARKS.md), by name.
+    fast = registry.get("smollm2-135m-int8")
+    assert (fast.target, fast.drafter) == (default.target, default.drafter)
+    assert (fast.weights, fast.kernels, fast.dtype, fast.target_device) == ("int8", "aoti", "float32", "cpu")
 
 
 def test_devices_can_differ_between_target_and_drafter(tmp_path):
