@@ -1,8 +1,9 @@
 """The target's decoder layers compiled whole around attention (AOTInductor), on CPU.
 
-With ``kernels = "aoti"``, an eager decoder layer still runs some twenty small PyTorch ops around
-its four matrices (norms, rotary, residuals, SiLU, dtype casts), each dispatched from Python; on a
-135M model that is as much time as the matrices themselves (docs/BENCHMARKS.md). Here each layer's
+With ``kernels = "aoti"`` matrix by matrix, an eager decoder layer still runs some twenty small
+PyTorch ops around its four matrices (norms, rotary, residuals, SiLU, dtype casts), each dispatched
+from Python; on a 135M model with int8 matrices they take more of a step than the matrices do
+(what whole layers gained: docs/BENCHMARKS.md). Here each layer's
 two halves around attention, ``FastTarget.attention_inputs`` (norm, QKV, rotary) and
 ``FastTarget.finish_layer`` (O, residual, norm, gate/up, SiLU, down, residual), are each one
 AOTInductor kernel: inductor's C++ GEMM (``aoti_kernels``) with the element-wise work fused

@@ -283,17 +283,12 @@ class FastTarget:
             return "onednn", "asked for aoti, running oneDNN: AOTInductor needs a CPU target and a C++ compiler"
         # Whole layers first (the element-wise work fused around the GEMMs); else matrix by matrix.
         compiled, layers_note = aoti_layers.compiled_layers(self)
+        head_why = self._aoti_head(aoti_kernels)
+        head_note = "the LM head " + (f"on oneDNN ({head_why})" if head_why else
+                                      "int8 through the int8 GEMM" if self.weight_format == "int8" else "through the C++ GEMM")
         if compiled is not None:
             self.layers, self.compiled_layers = compiled, True
-            if self.weight_format == "int8":  # the head's 113 MB in fp32 would be the step's largest read
-                head, why = aoti_kernels.aoti_int8_linear(QuantizedLinear(Int8Weight(self._lm_head_weight, self.dtype)))
-                where = "int8 through the int8 GEMM"
-            else:
-                head, why = aoti_kernels.aoti_linear(self._lm_head)
-                where = "through the C++ GEMM"
-            if why is None:
-                self._lm_head = head
-            return "aoti", f"{layers_note}; the LM head " + (f"on oneDNN ({why})" if why else where)
+            return "aoti", f"{layers_note}; {head_note}"
         refused: list[str] = []
 
         def swap(linear):
@@ -307,15 +302,27 @@ class FastTarget:
 
         self.layers = [replace(layer, qkv=swap(layer.qkv), o=swap(layer.o), gate_up=swap(layer.gate_up),
                                down=swap(layer.down)) for layer in self.layers]
-        self._lm_head = swap(self._lm_head)
+        if head_why:
+            refused.append(head_why)
         total = 4 * len(self.layers) + 1
         if len(refused) == total:
             return "onednn", f"asked for aoti, running oneDNN: {refused[0]}"
         note = f"inductor C++ GEMM (AOTInductor) for {total - len(refused)} of {total} matrices"
         if self.weight_format == "int8":
-            note += " (the layers' int8 weight-only, their rows in bf16)"
+            note += " (int8 weight-only, their rows in bf16)"
         note += f"; layers not compiled whole: {layers_note}"
         return "aoti", note + (f"; the others run their own kernels ({refused[0]})" if refused else "")
+
+    def _aoti_head(self, aoti_kernels) -> str | None:
+        """The LM head through the C++ GEMM (the int8 one where the layers run int8: the head's
+        113 MB in fp32 was then a step's largest read); why not, where it stays as it was."""
+        if self.weight_format == "int8":
+            head, why = aoti_kernels.aoti_int8_linear(QuantizedLinear(Int8Weight(self._lm_head_weight, self.dtype)))
+        else:
+            head, why = aoti_kernels.aoti_linear(self._lm_head)
+        if why is None:
+            self._lm_head = head
+        return why
 
     def _probe_min_rows(self) -> tuple[int, bool]:
         """The fewest rows per pass (from ``MIN_ROWS_CANDIDATES``) with which decoding a sequence
