@@ -314,3 +314,39 @@ def aoti_int8_linear(linear):
         return linear, f"building or loading the kernel failed: {type(exc).__name__}: {str(exc)[:200]}"
     why = exact_here(kernel, eager)
     return (linear, why) if why else (QuantizedLinear(kernel, linear.bias), None)
+
+
+def _drafter_kernel(weight: torch.Tensor, int8: bool):
+    """``x @ weight.T`` through the C++ GEMM (int8: the weight requantized per output channel),
+    or None where it cannot be built or its probe refuses."""
+    from .weight_formats import Int8Weight, QuantizedLinear
+
+    if int8:
+        kernel, why = aoti_int8_linear(QuantizedLinear(Int8Weight(weight, weight.dtype)))
+    else:
+        kernel, why = aoti_linear(Linear(weight, pack=False))
+    return None if why else kernel
+
+
+def drafter_kernels(drafter, int8: bool) -> str:
+    """The drafter's fp32 matrices (its layers', its fc, and the draft head's rows of the target's
+    LM head) through the C++ GEMM, int8 where the target's layers run int8. Drafts are only
+    proposals (the target verifies every one), so rounding here changes acceptance at most, never
+    the output; a 16-row drafter pass is mostly its matrices on a CPU. Returns a note for the
+    load log."""
+    from .kernels import PackedModuleForward
+
+    linears = [m for m in drafter.modules() if isinstance(m, torch.nn.Linear)]
+    if not available() or any(m.weight.device.type != "cpu" or m.weight.dtype != torch.float32 for m in linears):
+        return "oneDNN (the C++ GEMM is built for fp32 drafters on CPU with a compiler)"
+    done = 0
+    for module in linears:
+        if module.bias is not None:
+            continue
+        kernel = _drafter_kernel(module.weight.detach(), int8)
+        if kernel is not None:
+            module.forward = PackedModuleForward(module, kernel)
+            done += 1
+    drafter.set_head_kernel(lambda weight: _drafter_kernel(weight, int8) or Linear(weight))
+    kind = "int8 weight-only, rows in bf16" if int8 else "fp32"
+    return f"inductor C++ GEMM ({kind}) for {done} of {len(linears)} matrices and the draft head"

@@ -632,6 +632,7 @@ class DFlashDrafter(nn.Module):
         self.draft_vocab: torch.Tensor | None = None
         self._head_cache: tuple | None = None
         self._packed = False  # see pack_for_inference
+        self._head_kernel = None  # weight -> linear for the draft head's rows (see set_head_kernel)
 
     def set_draft_vocab(self, token_ids: torch.Tensor | None) -> None:
         if token_ids is not None:
@@ -650,7 +651,8 @@ class DFlashDrafter(nn.Module):
         key = (lm_head_weight.data_ptr(), lm_head_weight.device, lm_head_weight.dtype, self._packed)
         if self._head_cache is None or self._head_cache[0] != key:
             vocab = self.draft_vocab.to(lm_head_weight.device)
-            rows = Linear(lm_head_weight.index_select(0, vocab).contiguous(), pack=self._packed)
+            weight = lm_head_weight.index_select(0, vocab).contiguous()
+            rows = self._head_kernel(weight) if self._head_kernel is not None else Linear(weight, pack=self._packed)
             self._head_cache = (key, rows, vocab)
         _, rows, vocab = self._head_cache
         return self._shape_logits(rows(hidden)), vocab
@@ -663,6 +665,12 @@ class DFlashDrafter(nn.Module):
         self._packed = True
         self._head_cache = None
         return pack_linears(self)
+
+    def set_head_kernel(self, make) -> None:
+        """``make(weight)``: the kernel that computes the draft head's rows ``x @ weight.T`` from
+        now on (``aoti_kernels.drafter_kernels``), instead of ``kernels.Linear``."""
+        self._head_kernel = make
+        self._head_cache = None
 
     @property
     def block_size(self) -> int:

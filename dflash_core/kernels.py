@@ -114,9 +114,10 @@ class PackedModuleForward:
     """A frozen ``nn.Linear``'s forward through a packed copy of its weight (``Linear``); while
     the module's weight or bias is replaced or changed in place, the module's own math runs."""
 
-    def __init__(self, module: torch.nn.Linear) -> None:
+    def __init__(self, module: torch.nn.Linear, linear=None) -> None:
         self.module = module
-        self.linear = Linear(module.weight.detach(), None if module.bias is None else module.bias.detach())
+        # ``linear``: another kernel of the same product (``aoti_kernels.drafter_kernels``).
+        self.linear = linear or Linear(module.weight.detach(), None if module.bias is None else module.bias.detach())
         self._source = self._state()
 
     def _state(self) -> tuple:
@@ -124,7 +125,7 @@ class PackedModuleForward:
 
     @property
     def active(self) -> bool:
-        return self.linear.packed is not None
+        return getattr(self.linear, "packed", True) is not None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._state() == self._source:

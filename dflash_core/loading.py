@@ -342,6 +342,11 @@ def load_drafter(
     drafter.requires_grad_(False)
     drafter = drafter.to(device=device, dtype=torch_dtype(resolve_dtype(dtype, device))).eval()
     drafter.pack_for_inference()
+    runner = target.runner
+    if getattr(runner, "kernels", "onednn") == "aoti":  # the drafter on the target's kernels
+        from .aoti_kernels import drafter_kernels
+
+        _say(progress, f"Drafter kernels: {drafter_kernels(drafter, getattr(runner, 'weight_format', 'bf16') == 'int8')}")
     return drafter
 
 

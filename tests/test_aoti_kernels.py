@@ -16,8 +16,8 @@ from dflash_core.errors import RegistryError
 from dflash_core.kernels import Linear
 from dflash_core.registry import KERNELS, parse_registry
 from dflash_core.target import FastTarget, make_runner
-from dflash_core.testing import PROMPTS, assert_greedy_lossless, tiny_target, two_shape_llama
-from dflash_core.weight_formats import Int8Weight
+from dflash_core.testing import PROMPTS, assert_greedy_lossless, tiny_drafter, tiny_target, two_shape_llama
+from dflash_core.weight_formats import Int8Weight, QuantizedLinear
 
 PAIR = {"target": {"hub": "x/y"}, "drafter": {"random": True}}
 OFF = "turned off for the matrices' tests"
@@ -149,3 +149,28 @@ def test_int4_weights_stay_on_their_kernel(kernel_cache):
     # later sends them back to full precision): no C++ GEMM over them.
     assert runner.kernels == "onednn"
     assert runner.kernel_note == "asked for aoti, running oneDNN: the layers run int4 kernels (no C++ GEMM for them)"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("int8", [False, True])
+def test_the_drafter_runs_the_cpp_gemm_and_drafts_as_before(int8, kernel_cache):
+    model = two_shape_llama()
+    drafter = tiny_drafter(model, layers=1)
+    generator = torch.Generator().manual_seed(0)
+    noise = torch.randn(1, 16, 64, generator=generator)
+    context = torch.randn(1, 10, drafter.fc.in_features, generator=generator)
+    with torch.inference_mode():
+        before = drafter(noise, torch.arange(10, 26), context, torch.arange(10))
+    note = aoti_kernels.drafter_kernels(drafter, int8)
+    matrices = sum(isinstance(m, torch.nn.Linear) for m in drafter.modules())
+    kind = "int8 weight-only, rows in bf16" if int8 else "fp32"
+    assert note == f"inductor C++ GEMM ({kind}) for {matrices} of {matrices} matrices and the draft head"
+    tolerance = 5e-2 if int8 else 1e-4  # drafts only: int8's rounding may change acceptance, never the output
+    with torch.inference_mode():
+        after = drafter(noise, torch.arange(10, 26), context, torch.arange(10))
+        assert (after - before).norm() <= tolerance * before.norm()
+        drafter.set_draft_vocab(torch.arange(0, 128, 2))
+        logits, vocab = drafter.draft_logits(after[0], model.lm_head.weight)
+        want = after[0] @ model.lm_head.weight[vocab].T
+    assert isinstance(drafter._head_cache[1], aoti_kernels.AotiLinear if not int8 else QuantizedLinear)
+    assert (logits - want).norm() <= tolerance * want.norm()
