@@ -17,6 +17,8 @@ With ``weights = "int8"`` the layers' matrices are int8 with one scale per outpu
 (``weight_formats.Int8Weight``); inductor has a weight-only int8 C++ GEMM for them too, reading a
 quarter of fp32's bytes. Its only input dtype on AVX2 / AVX-512 is bf16, so rows are rounded to
 bf16 on the way in and the result (bf16) widened back, as ``weight_formats.Int4Weight`` does.
+The drafter's matrices run these kernels too where the target's do (``drafter_kernels``).
+Whole decoder layers compiled around attention, tried before the matrices, are ``aoti_layers``'.
 """
 
 from __future__ import annotations
