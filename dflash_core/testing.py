@@ -423,3 +423,13 @@ def assert_greedy_lossless(runner, model: torch.nn.Module, max_new_tokens: int =
             assert collect(stream(runner, drafter, prompt, cfg)).token_ids == ar.token_ids, block
             oracle = OracleDrafter(drafter, list(prompt) + ar.token_ids)
             assert collect(stream(runner, oracle, prompt, cfg)).token_ids == ar.token_ids, (block, "oracle")
+
+
+def assert_same_logits(runner, reference, prompt: list[int], tolerance: float) -> None:
+    """``runner`` and ``reference`` (target runners of one model) give ``prompt``'s logits within
+    ``tolerance``, relative to the reference's norm: their kernels' rounding apart."""
+    ids = torch.tensor(prompt)
+    for r in (runner, reference):
+        r.reset(64)
+    got, want = runner.forward(ids, None).logits, reference.forward(ids, None).logits
+    assert (got - want).norm() <= tolerance * want.norm(), float((got - want).norm() / want.norm())

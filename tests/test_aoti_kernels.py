@@ -16,7 +16,7 @@ from dflash_core.errors import RegistryError
 from dflash_core.kernels import Linear
 from dflash_core.registry import KERNELS, parse_registry
 from dflash_core.target import FastTarget, make_runner
-from dflash_core.testing import PROMPTS, assert_greedy_lossless, tiny_drafter, tiny_target, two_shape_llama
+from dflash_core.testing import PROMPTS, assert_greedy_lossless, assert_same_logits, tiny_drafter, tiny_target, two_shape_llama
 from dflash_core.weight_formats import Int8Weight, QuantizedLinear
 
 PAIR = {"target": {"hub": "x/y"}, "drafter": {"random": True}}
@@ -88,12 +88,7 @@ def test_the_probe_decides_and_greedy_dflash_equals_ar(kernel_cache):
                for m in (layer.qkv, layer.o, layer.gate_up, layer.down))
     assert runner.batch_invariant
     # The same model on oneDNN: the same products, to rounding.
-    onednn = FastTarget(model)
-    ids = torch.tensor(PROMPTS[0])
-    for r in (runner, onednn):
-        r.reset(64)
-    a, b = runner.forward(ids, None).logits, onednn.forward(ids, None).logits
-    assert torch.allclose(a, b, rtol=1e-4, atol=1e-4)
+    assert_same_logits(runner, FastTarget(model), PROMPTS[0], 1e-4)
     assert_greedy_lossless(runner, model)
     # A second target loads the built kernels (nothing rebuilt) ...
     stamps = {p: p.stat().st_mtime_ns for p in kernel_cache.rglob("*.so")}
@@ -126,11 +121,7 @@ def test_int8_weights_run_the_int8_gemm_losslessly(kernel_cache):
     assert runner.batch_invariant
     # The full-precision model, to int8's rounding of the weights.
     full = FastTarget(model)
-    ids = torch.tensor(PROMPTS[0])
-    for r in (runner, full):
-        r.reset(64)
-    a, b = runner.forward(ids, None).logits, full.forward(ids, None).logits
-    assert (a - b).norm() <= 3e-2 * b.norm()
+    assert_same_logits(runner, full, PROMPTS[0], 3e-2)
     assert_greedy_lossless(runner, model)
     # A kernel given the wrong layout is caught by the probe, not used.
     library, meta = aoti_kernels.kernel_library(128, 64, "int8")

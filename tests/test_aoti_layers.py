@@ -10,7 +10,7 @@ import torch
 
 from dflash_core import aoti_kernels, aoti_layers
 from dflash_core.target import FastTarget
-from dflash_core.testing import PROMPTS, assert_greedy_lossless, tiny_target, two_shape_llama
+from dflash_core.testing import PROMPTS, assert_greedy_lossless, assert_same_logits, tiny_target, two_shape_llama
 
 pytestmark = pytest.mark.skipif(not aoti_kernels.available(), reason="no C++ compiler or AOTInductor here")
 
@@ -85,12 +85,8 @@ def test_compiled_layers_are_the_eager_ones_and_lossless(weights, kernel_cache):
     assert runner.batch_invariant
     # The eager layers of the same weights: the same logits to rounding (fp32's, or bf16 rows' for int8).
     eager = FastTarget(model, weights=weights)
-    ids = torch.tensor(PROMPTS[0])
-    for r in (runner, eager):
-        r.reset(64)
-    a, b = runner.forward(ids, None).logits, eager.forward(ids, None).logits
     if eager.weight_format == runner.weight_format:
-        assert (a - b).norm() <= (1e-4 if kind == "float32" else 2e-2) * b.norm()
+        assert_same_logits(runner, eager, PROMPTS[0], 1e-4 if kind == "float32" else 2e-2)
     assert_greedy_lossless(runner, model)
     # A second target loads the built kernels: nothing is rebuilt.
     stamps = {p: p.stat().st_mtime_ns for p in kernel_cache.rglob("layer-*.so")}
@@ -108,10 +104,5 @@ def test_qwen3s_qk_norm_is_compiled_too(kernel_cache):
     assert all(isinstance(layer, aoti_layers.CompiledLayer) for layer in runner.layers)
     spec, _ = aoti_layers.layer_spec(runner.layers[0], runner)
     assert spec.qk_norm
-    eager = FastTarget(model)
-    ids = torch.tensor(PROMPTS[2])
-    for r in (runner, eager):
-        r.reset(64)
-    a, b = runner.forward(ids, None).logits, eager.forward(ids, None).logits
-    assert (a - b).norm() <= 1e-4 * b.norm()
+    assert_same_logits(runner, FastTarget(model), PROMPTS[2], 1e-4)
     assert_greedy_lossless(runner, model)
