@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -11,7 +13,7 @@ from dflash_core.drafter import DFlashDrafter, DrafterConfig
 from dflash_core.speculative import GenerationConfig, collect, stream
 from dflash_core.target import FastTarget
 from dflash_core.testing import tiny_target
-from dflash_core.training.features import build_feature_cache
+from dflash_core.training.features import FeatureStore, build_feature_cache
 from dflash_core.training.objective import fused_linear_cross_entropy, make_batch, naive_training_mask, training_mask
 from dflash_core.training.selfdistill import Sample
 from dflash_core.training.trainer import Trainer, TrainSettings
@@ -109,22 +111,107 @@ def test_feature_cache_holds_the_targets_layer_outputs(tiny_setup):
     assert 3 <= start < len(ids)
 
 
-def test_more_samples_extend_the_feature_cache_as_a_fresh_build_would(tiny_setup, tmp_path, monkeypatch):
-    model, runner, full, _ = tiny_setup
-    samples = [Sample(r.id, full.ids[r.offset : r.offset + r.response_start].tolist(),
-                      full.ids[r.offset + r.response_start : r.offset + r.length].tolist(), False) for r in full.records]
-    build_feature_cache(runner, samples[:25], [1, 3], tmp_path)
+def _samples_of(store):
+    return [Sample(r.id, store.token_ids(i)[: r.response_start].tolist(), store.token_ids(i)[r.response_start :].tolist(),
+                   False) for i, r in enumerate(store.records)]
+
+
+def _same_cache(a, b):
+    assert [r.id for r in a.records] == [r.id for r in b.records]
+    for i in range(len(a)):
+        (ids_a, feats_a, start_a), (ids_b, feats_b, start_b) = a.sequence(i), b.sequence(i)
+        assert torch.equal(ids_a, ids_b) and torch.equal(feats_a, feats_b) and start_a == start_b
+
+
+class _Interrupted(Exception):
+    """A build stopped from outside (a killed process), raised by the counting runner."""
+
+
+def _counting(runner, monkeypatch, fail_after=None):
     calls = []
     forward = runner.forward
-    monkeypatch.setattr(runner, "forward", lambda ids, *a, **k: calls.append(len(ids)) or forward(ids, *a, **k))
+
+    def counted(ids, *a, **k):
+        if fail_after is not None and len(calls) >= fail_after:
+            raise _Interrupted("interrupted")
+        calls.append(len(ids))
+        return forward(ids, *a, **k)
+
+    monkeypatch.setattr(runner, "forward", counted)
+    return calls
+
+
+def test_more_samples_extend_the_feature_cache_as_a_fresh_build_would(tiny_setup, tmp_path, monkeypatch):
+    model, runner, full, _ = tiny_setup
+    samples = _samples_of(full)
+    build_feature_cache(runner, samples[:25], [1, 3], tmp_path)
+    calls = _counting(runner, monkeypatch)
     extended = build_feature_cache(runner, samples, [1, 3], tmp_path)
     assert len(calls) == 15  # only the new samples went through the target
-    assert [r.__dict__ for r in extended.records] == [r.__dict__ for r in full.records]
-    assert (extended.ids[:] == full.ids[:]).all() and (extended.features[:] == full.features[:]).all()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["features.npy", "ids.npy", "index.json"]
+    _same_cache(extended, full)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "index.json", "part-00000.features.npy", "part-00000.ids.npy", "part-00001.features.npy", "part-00001.ids.npy"]
     assert build_feature_cache(runner, samples, [1, 3], tmp_path).num_tokens == full.num_tokens and len(calls) == 15
     rebuilt = build_feature_cache(runner, samples[:10], [1, 3], tmp_path)  # samples gone: rebuilt, not extended
     assert len(rebuilt) == 10 and len(calls) == 25
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["index.json", "part-00000.features.npy", "part-00000.ids.npy"]
+
+
+def test_an_interrupted_feature_build_keeps_its_finished_parts(tiny_setup, tmp_path, monkeypatch):
+    model, runner, full, _ = tiny_setup
+    samples = _samples_of(full)
+    part = full.num_tokens // 8  # about eight parts
+    calls = _counting(runner, monkeypatch, fail_after=22)
+    with pytest.raises(_Interrupted):
+        build_feature_cache(runner, samples, [1, 3], tmp_path, part_tokens=part)
+    kept = FeatureStore(tmp_path)
+    assert 0 < len(kept) <= 22 and len(kept.parts) >= 2  # whole parts only: the one under way is lost
+    monkeypatch.undo()  # the process restarted: a runner that no longer fails
+    calls = _counting(runner, monkeypatch)
+    resumed = build_feature_cache(runner, samples, [1, 3], tmp_path, part_tokens=part)
+    assert len(calls) == len(samples) - len(kept)  # only what the index lacked went through the target
+    _same_cache(resumed, full)
+    # The stage's time counts the killed run's finished parts too.
+    assert resumed.parts[: len(kept.parts)] == kept.parts and resumed.build_seconds >= kept.build_seconds >= 0
+    assert sum(p["tokens"] for p in resumed.parts) == resumed.num_tokens
+
+
+def test_a_cache_from_before_parts_is_read_and_extended(tiny_setup, tmp_path, monkeypatch):
+    model, runner, full, _ = tiny_setup
+    samples = _samples_of(full)
+    old = build_feature_cache(runner, samples[:30], [1, 3], tmp_path / "new")
+    # The layout before parts: one ids.npy and one features.npy, offsets into them, no "parts".
+    records, ids, feats, offset = [], [], [], 0
+    for i, r in enumerate(old.records):
+        ids.append(old.token_ids(i))
+        feats.append(old.sequence(i)[1].view(torch.int16).numpy())
+        records.append({"id": r.id, "offset": offset, "length": r.length, "response_start": r.response_start})
+        offset += r.length
+    legacy = tmp_path / "legacy"
+    legacy.mkdir()
+    np.save(legacy / "ids.npy", np.concatenate(ids))
+    np.save(legacy / "features.npy", np.concatenate(feats))
+    (legacy / "index.json").write_text(json.dumps({"layer_ids": [1, 3], "hidden_size": old.hidden_size,
+                                                   "sequences": records}))
+    _same_cache(FeatureStore(legacy), old)
+    assert FeatureStore(legacy).build_seconds is None  # it did not record its time
+    calls = _counting(runner, monkeypatch)
+    _same_cache(build_feature_cache(runner, samples, [1, 3], legacy), full)
+    assert len(calls) == 10
+
+
+@pytest.mark.parametrize("first, second", [("bfloat16", "float32"), ("float32", "bfloat16")])
+def test_the_fit_runs_in_either_precision_and_resumes_across_them(tiny_setup, tmp_path, first, second):
+    trainer = make_trainer(tiny_setup, tmp_path, compute_dtype=first, steps=10)
+    losses = [trainer.train_step()["loss"] for _ in range(5)]
+    assert all(math.isfinite(x) for x in losses)
+    assert trainer.head_full.dtype == getattr(torch, first)
+    trainer.save_checkpoint()
+    # Another machine's precision: the fp32 state resumes, and the step count carries on.
+    resumed = make_trainer(tiny_setup, tmp_path, compute_dtype=second, steps=10)
+    assert resumed.step == 5 and resumed.head_full.dtype == getattr(torch, second)
+    assert math.isfinite(resumed.train_step()["loss"])
+    assert all(p.dtype == torch.float32 for p in resumed.drafter.parameters())
 
 
 def test_a_few_steps_lower_the_loss(tiny_setup, tmp_path):

@@ -157,7 +157,10 @@ def run_recipe(target: LoadedTarget, options: RecipeOptions, stages: list[str]) 
                 raise TrainingError(f"no answers in {where}: run the generate stage (or `make gen-data`) first")
             store = build_feature_cache(target.runner, samples, layers, work / "features", responses_dir=kept)
             console.log(f"features: {len(store)} sequences, {store.num_tokens} tokens, layers {store.layer_ids}")
-            return {"sequences": len(store), "tokens": store.num_tokens}
+            stats: dict[str, Any] = {"sequences": len(store), "tokens": store.num_tokens}
+            if store.build_seconds is not None:  # the parts' own times: runs that were killed count too
+                stats[STAGE_TOTAL] = store.build_seconds
+            return stats
         _timed(log, "features", do_features)
 
     trainer = None
