@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from ..drafter import BlockLayout, DFlashDrafter, DrafterConfig, init_drafter_weights
+from ..loading import resolve_dtype, torch_dtype
 from .errors import TrainingError
 from .features import FeatureStore
 from .objective import Batch, compute_loss, make_batch, slot_weights
@@ -67,6 +68,10 @@ class TrainSettings:
     eval_every: int = 250
     eval_sequences: int = 48
     validation_percent: int = 2  # sequences held out from training for the per-slot accuracy
+    # The matrices' precision (the weights and optimizer stay fp32): "auto" is bf16 where the device
+    # multiplies bf16 natively (``loading.resolve_dtype``), else fp32; an AVX2-only CPU runs bf16
+    # autocast on a generic path several times slower than fp32 (docs/TRAINING.md).
+    compute_dtype: str = "auto"
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -116,7 +121,7 @@ def frequent_tokens(store: FeatureStore, indices: list[int], size: int, vocab_si
     counts = torch.zeros(vocab_size, dtype=torch.long)
     for i in indices:
         r = store.records[i]
-        ids = torch.from_numpy(store.ids[r.offset + r.response_start : r.offset + r.length].astype("int64"))
+        ids = torch.from_numpy(store.token_ids(i)[r.response_start :].astype("int64"))
         counts += torch.bincount(ids, minlength=vocab_size)[:vocab_size]
     size = min(size, vocab_size)
     return torch.topk(counts, size).indices.sort().values
@@ -166,16 +171,17 @@ class Trainer:
         self.work.mkdir(parents=True, exist_ok=True)
         self.accelerator = Accelerator(cpu=device == "cpu")
         self.device = self.accelerator.device
+        self.compute_dtype = torch_dtype(resolve_dtype(settings.compute_dtype, str(self.device)))
         self.rank = self.accelerator.process_index
         self.world = self.accelerator.num_processes
         torch.manual_seed(settings.seed)
         self.final_norm_weight = final_norm_weight.float().to(self.device)
         self.eps = float(drafter_config.qwen3.rms_norm_eps)
-        self.embed = embed_weight.to(self.device, torch.bfloat16)
+        self.embed = embed_weight.to(self.device, self.compute_dtype)
         self.train_idx, self.valid_idx = split_validation(store, settings.validation_percent)
         self.vocab_size = int(head_weight.shape[0])
         self.frequent = frequent_tokens(store, self.train_idx, settings.sub_vocab, self.vocab_size)
-        self.head_full = head_weight.to(self.device, torch.bfloat16)
+        self.head_full = head_weight.to(self.device, self.compute_dtype)
 
         self.column_ids = list(settings.target_layer_ids)
         need_final = settings.kl_weight > 0 or settings.reg_weight > 0
@@ -218,7 +224,9 @@ class Trainer:
             return
         state = torch.load(self.checkpoint_path, map_location="cpu", weights_only=False)
         saved = state["settings"]
-        mismatched = {k for k in saved if k not in ("steps", "checkpoint_every", "eval_every") and saved[k] != getattr(self.settings, k)}
+        # The compute precision may differ between the machines a fit is resumed on: the state is fp32.
+        free = ("steps", "checkpoint_every", "eval_every", "compute_dtype")
+        mismatched = {k for k in saved if k not in free and saved[k] != getattr(self.settings, k)}
         if mismatched:
             raise TrainingError(
                 f"{self.checkpoint_path} was written with other settings ({sorted(mismatched)}); "
@@ -275,7 +283,7 @@ class Trainer:
                 raw[j, : f.shape[0]] = f
             x = raw.float()
             x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-            final = (x * self.final_norm_weight.cpu()).to(torch.bfloat16)
+            final = (x * self.final_norm_weight.cpu()).to(self.compute_dtype)
         return batch, final
 
     def _candidates(self, batch: Batch, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -288,10 +296,15 @@ class Trainer:
         to_sub[candidates] = torch.arange(candidates.shape[0])
         return self.head_full[candidates.to(self.device)], to_sub.to(self.device)
 
+    def _autocast(self) -> Any:
+        """bf16 autocast where the matrices run in bf16; in fp32 everything already is."""
+        return torch.autocast(device_type=self.device.type, dtype=self.compute_dtype,
+                              enabled=self.compute_dtype != torch.float32)
+
     def _forward(self, batch: Batch) -> torch.Tensor:
         noise = F.embedding(batch.block_ids.to(self.device), self.embed)
         return self.drafter(
-            noise, batch.block_pos.to(self.device), batch.context.to(self.device),
+            noise, batch.block_pos.to(self.device), batch.context.to(self.device, self.compute_dtype),
             batch.context_pos.to(self.device),
             mask=BlockLayout(batch.anchors.to(self.device), batch.block_size),
         )
@@ -307,7 +320,7 @@ class Trainer:
         weights = slot_weights(block, gamma).to(self.device)
         head_rows, to_sub = self._candidates(batch, gen)
         self.drafter.train()
-        with torch.autocast(device_type=self.device.type, dtype=torch.bfloat16):
+        with self._autocast():
             hidden = self._forward(batch)
             parts = compute_loss(
                 hidden, batch, head_rows, to_sub, weights,
@@ -335,11 +348,11 @@ class Trainer:
         gen = torch.Generator().manual_seed(12345)
         for i in range(0, len(idx), st.sequences_per_step):
             batch, _ = self._batch(idx[i : i + st.sequences_per_step], gen)
-            with torch.autocast(device_type=self.device.type, dtype=torch.bfloat16):
+            with self._autocast():
                 hidden = self._forward(batch)
             s, a, km1 = batch.labels.shape
             slots = hidden.view(s, a, km1 + 1, -1)[:, :, 1:]
-            pred = F.linear(slots.to(torch.bfloat16), self.head_full).argmax(-1).cpu()
+            pred = F.linear(slots.to(self.compute_dtype), self.head_full).argmax(-1).cpu()
             valid = batch.labels >= 0
             correct += ((pred == batch.labels) & valid).sum((0, 1)).float()
             count += valid.sum((0, 1)).float()
