@@ -132,6 +132,26 @@ def test_the_recipe_trains_from_committed_shards_alone(tiny_chat_target, tmp_pat
     assert "committed shards" in info["data"]
 
 
+def test_features_gen_data_kept_spare_the_features_stage_its_target_passes(tiny_chat_target, tmp_path, monkeypatch):
+    from dflash_core import cli
+
+    write_prompts(_prompts(10), tmp_path / "prompts.jsonl")
+    work = tmp_path / "work"
+    code = cli.main(["gen-data", "--target", tiny_chat_target.source.location, "--prompts", str(tmp_path / "prompts.jsonl"),
+                     "--data-dir", str(tmp_path / "data"), "--shard-prompts", "4", "--slots", "3",
+                     "--max-new-tokens", "10", "--keep-features", "0,1", "--features-dir", str(work / "kept-features")])
+    assert code == 0 and sorted(p.name for p in (work / "kept-features").glob("*.json"))[0] == "shard-00000.npz.features.json"
+    calls = []
+    forward = tiny_chat_target.runner.forward
+    monkeypatch.setattr(tiny_chat_target.runner, "forward", lambda *a, **k: calls.append(1) or forward(*a, **k))
+    settings = TrainSettings(num_layers=1, target_layer_ids=[0, 1], mask_token_id=7)
+    options = RecipeOptions(work_dir=work, out_dir=tmp_path / "drafter", shards_dir=tmp_path / "data",
+                            feature_layers=[0, 1], command="test", settings=settings)
+    run_recipe(tiny_chat_target, options, ["features"])
+    store = FeatureStore(work / "features")
+    assert len(store) == len(read_samples(tmp_path / "data")) >= 8 and calls == []  # all copied
+
+
 def test_the_recipe_without_answers_says_what_to_run(tiny_chat_target, tmp_path):
     options = RecipeOptions(work_dir=tmp_path / "work", out_dir=tmp_path / "d", shards_dir=tmp_path / "empty",
                             settings=TrainSettings(mask_token_id=7, target_layer_ids=[0, 1]))
@@ -144,6 +164,7 @@ def test_the_recipe_without_answers_says_what_to_run(tiny_chat_target, tmp_path)
     (["--max-new-tokens", "0"], "--max-new-tokens 0: must be at least 1"),
     (["--shard-prompts", "-3"], "--shard-prompts -3: must be at least 1"),
     (["--minutes", "0"], "--minutes 0.0: must be more than 0"),
+    (["--keep-features", "1,2"], "--keep-features needs --features-dir"),
 ])
 def test_gen_data_settings_no_run_can_use_are_one_line_errors_before_loading(tmp_path, capsys, flags, message):
     from dflash_core import cli

@@ -81,6 +81,12 @@ def add_gen_data_parser(sub: Any) -> None:
     g.add_argument("--shard-prompts", type=int, default=256, help="prompts per shard (all a killed run can lose)")
     g.add_argument("--slots", type=int, default=64, help="rows decoded together")
     g.add_argument("--max-new-tokens", type=int, default=256)
+    g.add_argument("--keep-features", type=_int_list, default=[], metavar="LAYERS",
+                   help="also keep the target's features of these layers (the ones `train --feature-layers` "
+                        "caches), so train's features stage copies them instead of running the target again")
+    g.add_argument("--features-dir", type=Path, default=None,
+                   help="where kept features go (never the committed data: ~7 KB per token); train reads "
+                        "them from <work-dir>/kept-features")
     g.set_defaults(func=cmd_gen_data)
 
 
@@ -109,7 +115,10 @@ def cmd_gen_data(args: argparse.Namespace) -> int:
     options = GenDataOptions(
         prompts_file=args.prompts, data_dir=args.data_dir, minutes=args.minutes, max_answer_tokens=args.max_tokens,
         shard_prompts=args.shard_prompts, slots=args.slots, max_new_tokens=args.max_new_tokens,
+        feature_layers=args.keep_features, features_dir=args.features_dir,
     )
+    if args.keep_features and args.features_dir is None:
+        raise TrainingError("--keep-features needs --features-dir (train reads them from <work-dir>/kept-features)")
     options.check()  # before the target loads (minutes for a large one)
     target = load_target(target_source(args.target, args.pair, getattr(args, "registry", None)), args.target_dtype,
                          args.device, progress=log)

@@ -192,14 +192,14 @@ def read_samples(directory: str | Path, features_dir: str | Path | None = None) 
     samples: list[Sample] = []
     for entry in data.shards:
         content = read_shard(data.directory / entry["file"])
-        kept: dict[str, Any] = {}
+        kept: dict[str, Any] = {"rows": {}}
         if features_dir is not None:
             index = Path(features_dir) / (entry["file"] + ".features.json")
             if index.is_file():
                 kept = json.loads(index.read_text())
         for pid, prompt, answer, done in zip(content.ids, content.prompt_ids, content.answer_ids, content.finished):
             features = None
-            if pid in kept:
+            if pid in kept["rows"]:
                 features = {"file": kept["file"], "row": kept["rows"][pid], "layers": kept["layers"]}
             samples.append(Sample(pid, prompt, answer, bool(done), features))
     return samples
