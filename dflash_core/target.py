@@ -35,7 +35,9 @@ import torch
 import torch.nn.functional as F
 
 from .aoti_kernels import KERNELS
+from . import cuda_graphs
 from .aoti_layers import CompiledLayer
+from .cuda_graphs import CudaGraphs
 from .families import ADAPTERS, FusedLayer, fast_path_reason
 from .kv_cache import KVCache, round_capacity
 from .rollback import CacheRollback
@@ -238,6 +240,7 @@ class FastTarget:
         self.cache = KVCache(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype, self.device)
         self.cos = self.sin = None  # rope_tables for the cache's capacity
         self._tree_attention = TreeAttention(self)
+        self.graphs: CudaGraphs | None = None  # set once the probes below have run (they run eager)
         # The format the layers' weights are read in (``weights``; see weight_formats.py), and why
         # it is not the one asked for where the kernels do not allow it here.
         self.weight_format, self.weight_note = "bf16", "bf16"
@@ -270,6 +273,8 @@ class FastTarget:
             self.min_rows, self.batch_invariant = self._probe_min_rows()
             self.weight_note = (f"asked for {asked}, running bf16: with {asked} kernels no padding made a position's "
                                 "logits independent of the size of its pass on this CPU")
+        if cuda_graphs.wanted(self.device):
+            self.graphs = CudaGraphs(self)
 
     def _use_aoti(self) -> tuple[str, str]:
         """Every matrix (the layers' and the LM head) through inductor's C++ GEMM where its probe
@@ -442,13 +447,31 @@ class FastTarget:
             # row, which rounds differently; repeating the last row keeps every position on the
             # multi-row path, so a token decoded alone matches the same token inside a block.
             ids = torch.cat((ids, ids[-1:].expand(self.min_rows - real)))
-        t = ids.shape[0]
         cache.check_room(end)
+        rows = torch.arange(start, start + ids.shape[0], device=self.device).clamp_max(end - 1)
+        if self.graphs is not None:
+            out = self.graphs.forward(ids, rows, real, layer_ids, last_only)
+            if out is not None:
+                cache.length = end
+                return out
+        out = self.positions_pass(ids, rows, real, layer_ids, last_only)
+        cache.length = end
+        return out
+
+    def positions_pass(self, ids: torch.Tensor, rows: torch.Tensor, real: int, layer_ids: Sequence[int] | None,
+                       last_only: bool) -> TargetOutput:
+        """The layers over ``ids`` at cache positions ``rows`` (T,), whose first ``real`` are new
+        (the rest repeat the last: see ``min_rows``): writes their keys and values, reads the
+        cache up to each row. Positions come as a tensor, never as Python numbers, and every shape
+        is fixed by T, ``real`` and the cache's capacity: a CUDA graph captured once replays it at
+        any position (``cuda_graphs.py``)."""
+        cache = self.cache
+        t = ids.shape[0]
         keys, values = cache.k, cache.v
         h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
         group = h // kv
         cap = cache.capacity
-        rows = torch.arange(start, start + t, device=self.device).clamp_max(end - 1)
+        new_rows = rows[:real]
         cos = self.cos[rows]  # (T, heads + kv_heads, D)
         sin = self.sin[rows]
         # Causal mask over the whole cache: query at absolute position p sees keys 0..p. Every
@@ -461,8 +484,8 @@ class FastTarget:
         x = F.embedding(ids, self.embed_weight)  # (T, H)
         for li, layer in enumerate(self.layers):
             q, k, v = self.attention_inputs(layer, x, cos, sin)
-            keys[li, :, start:end] = k[:real].transpose(0, 1)
-            values[li, :, start:end] = v[:real].transpose(0, 1)
+            keys[li].index_copy_(1, new_rows, k[:real].transpose(0, 1))
+            values[li].index_copy_(1, new_rows, v[:real].transpose(0, 1))
             # (kv, group*T, d): the query heads that share a KV head, stacked.
             qg = q.reshape(t, kv, group, d).permute(1, 2, 0, 3).reshape(kv, group * t, d)
             scores = torch.matmul(qg, keys[li].transpose(1, 2))  # (kv, group*T, cap)
@@ -472,7 +495,6 @@ class FastTarget:
             x = self.finish_layer(layer, x, att.view(kv, group, t, d).permute(2, 0, 1, 3).reshape(t, h * d))
             if li in wanted:
                 feats[wanted[li]] = x[:real]
-        cache.length = end
         x = x[:real]
         logits = self.logits(x[-1:] if last_only else x)
         features = torch.cat(feats, dim=-1) if feats else None

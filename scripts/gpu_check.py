@@ -16,7 +16,9 @@ the generic runner in fp32, whose rollbacks restore linear-attention states and 
 (``dflash_core/rollback.py``); in bf16 those are reported, not counted (``hybrid_bf16``: blocks
 and single tokens may round differently there, so outputs can part at near-ties).
 Speed: CUDA-event timing of AR vs DFlash with the oracle drafter (every draft accepted), which
-shows what the loop costs when the drafter is perfect. Exit status 1 when any check fails.
+shows what the loop costs when the drafter is perfect. CUDA graphs (``cuda_graphs``): the
+graphed runner's logits and tokens equal the eager runner's, DFlash through graphs equals AR,
+and both are timed with and without graphs (``cuda_graphs``). Exit status 1 when any check fails.
 """
 
 from __future__ import annotations
@@ -86,6 +88,7 @@ def main() -> None:
             _, t_df = timer(lambda: collect(stream(runner, oracle, prompt, GenerationConfig(max_new_tokens=256, block_size=16).validated(16))))
             report["speed"] = {"ar_tok_s": round(256 / t_ar, 1), "dflash_oracle_tok_s": round(256 / t_df, 1),
                                "ratio": round(t_ar / t_df, 2)}
+    failures += check_cuda_graphs(device, prompt, report)
     failures += check_hybrid_families(device, prompt, report)
     try:
         import bitsandbytes  # noqa: F401
@@ -110,6 +113,72 @@ def main() -> None:
     args.out.write_text(json.dumps(report, indent=2))
     print(json.dumps({k: v for k, v in report.items() if k != "checks"}, indent=2))
     sys.exit(1 if failures else 0)
+
+
+def check_cuda_graphs(device: torch.device, prompt: list[int], report: dict) -> int:
+    """FastTarget's CUDA graphs (``dflash_core/cuda_graphs.py``, on by default on CUDA) against the
+    same runner eager: equal logits and tokens, DFlash == AR through graphs, and AR / DFlash with
+    the oracle drafter timed both ways. On the CPU the graphs' stand-in (``eager_capture``) runs
+    the same bookkeeping, so the script's path is tried before a GPU is at hand."""
+    from dflash_core.bench.runner import Timer
+    from dflash_core.cuda_graphs import CudaGraphs, eager_capture
+    from dflash_core.speculative import GenerationConfig, collect, stream
+    from dflash_core.target import FastTarget
+    from dflash_core.testing import OracleDrafter, tiny_drafter, tiny_target
+
+    failures = 0
+    # Answers long enough to replay each graph many times; shorter on the CPU, where it only tries the path.
+    n_check, n_timed = (96, 256) if device.type == "cuda" else (32, 24)
+    report["cuda_graphs"] = graphs_report = {"checks": [], "speed": {}}
+    for dtype in (torch.bfloat16, torch.float32):
+        model = tiny_target("qwen3", vocab=512, layers=4, seed=0, dtype=dtype).to(device)
+        eager, graphed = FastTarget(model), FastTarget(model)
+        eager.graphs = None
+        if device.type != "cuda":
+            graphed.graphs = CudaGraphs(graphed, capture=eager_capture)
+        block = torch.tensor(prompt + prompt)[:16]
+        for runner in (eager, graphed):
+            runner.reset(128)
+            runner.forward(torch.tensor(prompt), [1, 3])
+        logits = [runner.forward(block, [1, 3]).logits for runner in (eager, graphed)]  # captured
+        for runner in (eager, graphed):
+            runner.truncate(len(prompt))
+        replayed = graphed.forward(block, [1, 3]).logits  # replayed
+        same_logits = bool(torch.equal(logits[0], logits[1]) and torch.equal(logits[0], replayed))
+        def greedy(runner, drafter, size, n=n_check):
+            cfg = GenerationConfig(max_new_tokens=n, block_size=size).validated(16)
+            return collect(stream(runner, drafter, prompt, cfg))
+        ar_eager, ar_graphed = greedy(eager, None, 1), greedy(graphed, None, 1)
+        base = tiny_drafter(model.to("cpu"), layers=1).to(device, dtype)
+        model.to(device)
+        oracle = OracleDrafter(base, prompt + ar_eager.token_ids).to(device, dtype)
+        lossless = all(greedy(graphed, drafter, size).token_ids == ar_graphed.token_ids
+                       for drafter in (base, oracle) for size in (4, 16))
+        ok = same_logits and ar_graphed.token_ids == ar_eager.token_ids and lossless
+        failures += not ok
+        g = graphed.graphs
+        graphs_report["checks"].append({
+            "dtype": str(dtype), "same_logits_as_eager": same_logits, "ar_same_as_eager": ar_graphed.token_ids == ar_eager.token_ids,
+            "dflash_lossless": lossless, "captures": g.captures, "replays": g.replays, "broken": g.broken, "ok": ok})
+        if dtype == torch.bfloat16:
+            timer = Timer(device)
+            for runner in (eager, graphed):  # warm-up: graphs captured, kernels loaded
+                greedy(runner, oracle, 16, n_timed)
+                greedy(runner, None, 1, n_timed)
+            # Interleaved, two rounds, the faster of each: a one-off stall hits either side alike.
+            times: dict[tuple[str, str], float] = {}
+            for _ in range(2):
+                for name, runner in (("eager", eager), ("graphs", graphed)):
+                    for method, drafter, size in (("ar_tok_s", None, 1), ("dflash_oracle_tok_s", oracle, 16)):
+                        _, took = timer(lambda: greedy(runner, drafter, size, n_timed))
+                        times[name, method] = min(took, times.get((name, method), float("inf")))
+            speed = {name: {method: round(n_timed / times[name, method], 1) for method in ("ar_tok_s", "dflash_oracle_tok_s")}
+                     for name in ("eager", "graphs")}
+            speed["graphs_vs_eager_ar"] = round(speed["graphs"]["ar_tok_s"] / speed["eager"]["ar_tok_s"], 2)
+            speed["graphs_vs_eager_dflash"] = round(
+                speed["graphs"]["dflash_oracle_tok_s"] / speed["eager"]["dflash_oracle_tok_s"], 2)
+            graphs_report["speed"] = speed
+    return failures
 
 
 def check_hybrid_families(device: torch.device, prompt: list[int], report: dict) -> int:

@@ -41,6 +41,11 @@ def test_the_gpu_check_runs_every_check_on_the_cpu_from_anywhere(tmp_path):
     # The oracle drafter really is one: nearly every draft kept (the last cycle may be cut short).
     assert all(c["tau"] >= 0.9 * c["block"] for c in checks if c["drafter"] == "oracle")
     assert set(report["speed"]) == {"ar_tok_s", "dflash_oracle_tok_s", "ratio"}
+    # CUDA graphs' bookkeeping (its CPU stand-in here): equal to eager, lossless, and replayed.
+    graphs = report["cuda_graphs"]
+    assert [c["dtype"] for c in graphs["checks"]] == ["torch.bfloat16", "torch.float32"]
+    assert all(c["ok"] and c["replays"] > c["captures"] > 0 and c["broken"] is None for c in graphs["checks"])
+    assert {"eager", "graphs", "graphs_vs_eager_ar", "graphs_vs_eager_dflash"} == set(graphs["speed"])
     try:
         import bitsandbytes  # noqa: F401
     except ImportError:
