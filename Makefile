@@ -110,8 +110,8 @@ benchmarks: bench
 DATA_DIR ?= assets/data/smollm2-answers
 SHARD_WORK ?= runs/smollm2-shards
 # gen-data keeps the features the decoder computes anyway beside the work directory, so that
-# train-bundled's features stage copies them instead of a second target pass (two hours per
-# 2.5 M tokens on 2 AVX2 cores); they stay on this machine, never in the committed data.
+# train-bundled's features stage copies them instead of a second target pass (hours on a small
+# CPU: docs/TRAINING.md); they stay on this machine, never in the committed data.
 gen-data: setup
 	$(PY) -m dflash_core gen-data --pair smollm2-135m --prompts assets/data/train_prompts.jsonl.gz \
 	  --data-dir $(DATA_DIR) --minutes $(GEN_MINUTES) \

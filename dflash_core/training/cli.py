@@ -30,8 +30,8 @@ def add_train_parser(sub: Any) -> None:
     )
     t.add_argument("--pair", help="take the target from this registry pair (default: the default pair)")
     t.add_argument("--target", help="or a target directly: hub id, local directory, or .gguf file")
-    # auto: bf16 where this device multiplies bf16 natively, else fp32 (an AVX2-only CPU runs bf16
-    # passes several times slower than fp32: the features stage of 2.4 M tokens took 17 hours so).
+    # auto: bf16 where this device multiplies bf16 natively, else fp32 (without native bf16 kernels
+    # the target's passes run many times slower: docs/TRAINING.md, "Growing the data").
     t.add_argument("--target-dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
     t.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (accelerate launch handles several GPUs)")
     t.add_argument("--work-dir", required=True, type=Path, help="where data, features and checkpoints go")

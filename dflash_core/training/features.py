@@ -15,9 +15,8 @@ same definition the engine uses at inference).
 
 The cache grows by parts: a build writes one part at a time (``PART_TOKENS`` tokens) and lists it
 in the index once it is complete, so an interrupted build loses only the part under way (on a
-2-core AVX2 CPU the target's pass runs ~320 tokens/s: a 2.4 M-token cache is two hours of it),
-and more data adds parts without copying the old ones (a copy needs the disk twice over, and the
-cache of 6 M answer tokens is tens of GB). A cache from before parts (``ids.npy`` and
+small CPU the whole pass takes hours: docs/TRAINING.md), and more data adds parts without copying
+the old ones (a copy needs the disk twice over, and the cache of 6 M answer tokens is tens of GB). A cache from before parts (``ids.npy`` and
 ``features.npy``, no ``parts`` in the index) reads as one part.
 """
 
@@ -40,7 +39,7 @@ from .errors import TrainingError
 from .selfdistill import Sample
 
 INDEX = "index.json"
-# Tokens per part: ~7 minutes of the target's pass on 2 AVX2 cores, ~0.9 GB with six layers of 576.
+# Tokens per part: minutes of the target's pass on a small CPU, under a GB for SmolLM2's six layers.
 PART_TOKENS = 1 << 17
 _LEGACY_PART = {"ids": "ids.npy", "features": "features.npy"}
 

@@ -70,7 +70,7 @@ class TrainSettings:
     validation_percent: int = 2  # sequences held out from training for the per-slot accuracy
     # The matrices' precision (the weights and optimizer stay fp32): "auto" is bf16 where the device
     # multiplies bf16 natively (``loading.resolve_dtype``), else fp32; an AVX2-only CPU runs bf16
-    # autocast on a generic path several times slower than fp32 (docs/TRAINING.md).
+    # autocast on a generic path many times slower than fp32 (measured in docs/TRAINING.md).
     compute_dtype: str = "auto"
 
     def to_json(self) -> dict[str, Any]:
