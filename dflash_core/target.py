@@ -37,7 +37,6 @@ import torch.nn.functional as F
 from .aoti_kernels import KERNELS
 from . import cuda_graphs
 from .aoti_layers import CompiledLayer
-from .cuda_graphs import CudaGraphs
 from .families import ADAPTERS, FusedLayer, fast_path_reason
 from .kv_cache import KVCache, round_capacity
 from .rollback import CacheRollback
@@ -240,7 +239,7 @@ class FastTarget:
         self.cache = KVCache(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype, self.device)
         self.cos = self.sin = None  # rope_tables for the cache's capacity
         self._tree_attention = TreeAttention(self)
-        self.graphs: CudaGraphs | None = None  # set once the probes below have run (they run eager)
+        self.graphs: cuda_graphs.CudaGraphs | None = None  # set once the probes below have run (they run eager)
         # The format the layers' weights are read in (``weights``; see weight_formats.py), and why
         # it is not the one asked for where the kernels do not allow it here.
         self.weight_format, self.weight_note = "bf16", "bf16"
@@ -274,7 +273,7 @@ class FastTarget:
             self.weight_note = (f"asked for {asked}, running bf16: with {asked} kernels no padding made a position's "
                                 "logits independent of the size of its pass on this CPU")
         if cuda_graphs.wanted(self.device):
-            self.graphs = CudaGraphs(self)
+            self.graphs = cuda_graphs.CudaGraphs(self)
 
     def _use_aoti(self) -> tuple[str, str]:
         """Every matrix (the layers' and the LM head) through inductor's C++ GEMM where its probe

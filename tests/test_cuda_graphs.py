@@ -57,7 +57,7 @@ def test_a_reallocated_cache_gets_fresh_graphs_and_outputs_are_copies():
     assert torch.equal(again.logits, eager.forward(torch.tensor([4, 5, 6, 7]), [0, 1]).logits)
 
 
-def test_long_passes_and_failed_captures_run_eager(monkeypatch):
+def test_long_passes_and_failed_captures_run_eager():
     model = tiny_target("llama", vocab=96, layers=2, seed=3)
     eager, graphed = FastTarget(model), _graphed(model)
     prompt = torch.randint(4, 96, (cuda_graphs.MAX_ROWS + 1,), generator=torch.Generator().manual_seed(0))
