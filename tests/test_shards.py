@@ -150,6 +150,12 @@ def test_features_gen_data_kept_spare_the_features_stage_its_target_passes(tiny_
     run_recipe(tiny_chat_target, options, ["features"])
     store = FeatureStore(work / "features")
     assert len(store) == len(read_samples(tmp_path / "data")) >= 8 and calls == []  # all copied
+    # Each answer's rows are its own: the target's features of that sequence, to bf16 rounding.
+    for i in (0, len(store) - 1):
+        ids, feats, _ = store.sequence(i)
+        tiny_chat_target.runner.reset(len(ids))
+        expected = forward(ids, [0, 1], last_only=True).features
+        torch.testing.assert_close(feats.float(), expected.float(), atol=0.05, rtol=0.02)
 
 
 def test_the_recipe_without_answers_says_what_to_run(tiny_chat_target, tmp_path):
