@@ -79,7 +79,7 @@ def add_gen_data_parser(sub: Any) -> None:
     g.add_argument("--minutes", type=float, default=None, help="this run's wall-clock budget (default: until done)")
     g.add_argument("--max-tokens", type=int, default=None, help="or stop after this many answer tokens in this run")
     g.add_argument("--shard-prompts", type=int, default=256, help="prompts per shard (all a killed run can lose)")
-    g.add_argument("--slots", type=int, default=128, help="rows decoded together")
+    g.add_argument("--slots", type=int, default=64, help="rows decoded together")
     g.add_argument("--max-new-tokens", type=int, default=256)
     g.add_argument("--keep-features", type=_int_list, default=[], metavar="LAYERS",
                    help="also keep the target's features of these layers (the ones `train --feature-layers` "

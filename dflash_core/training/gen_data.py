@@ -36,7 +36,7 @@ class GenDataOptions:
     minutes: float | None = None  # this run's wall-clock budget (None: until the prompts run out)
     max_answer_tokens: int | None = None  # or stop once this run has produced this many answer tokens
     shard_prompts: int = 256  # prompts per shard: ~2.5 min of this machine, all a killed run can lose
-    slots: int = 128  # rows decoded together: more rows share each weight read (docs/TRAINING.md); a GPU takes hundreds
+    slots: int = 64  # rows decoded together (a GPU takes hundreds)
     max_new_tokens: int = 256
     max_prompt_tokens: int = 640
     # Keep the target's features of these layers while generating (GPU runs: the fit then needs no
