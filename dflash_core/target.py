@@ -500,6 +500,41 @@ class FastTarget:
         return TargetOutput(logits, features)
 
     @torch.inference_mode()
+    def stacked_features(self, sequences: Sequence[torch.Tensor], layer_ids: Sequence[int]) -> list[torch.Tensor]:
+        """The residual stream after ``layer_ids`` (as ``forward`` returns it) for several
+        independent sequences, each from position 0, without the cache: their rows are stacked
+        for the matrix products, which run faster on many rows than on one sequence's few
+        hundred, and attention runs per sequence. For the training features, which need no
+        logits and no bit-for-bit agreement with a decode (they are rounded to bf16 anyway)."""
+        if self.compiled_layers:
+            raise ValueError("stacked_features runs eager layers only (compiled ones have fixed shapes)")
+        ids = [s.reshape(-1).to(self.device) for s in sequences]
+        lengths = [int(s.shape[0]) for s in ids]
+        cos, sin = self.rope_tables(max(lengths))
+        positions = torch.cat([torch.arange(n, device=self.device) for n in lengths])
+        cos, sin = cos[positions], sin[positions]
+        wanted = {i: n for n, i in enumerate(layer_ids)}
+        last = max(wanted)
+        feats: list[torch.Tensor | None] = [None] * len(wanted)
+        h, d = self.num_heads, self.head_dim
+        x = F.embedding(torch.cat(ids), self.embed_weight)  # (sum of lengths, H)
+        for li, layer in enumerate(self.layers):
+            q, k, v = self.attention_inputs(layer, x, cos, sin)
+            att = [
+                F.scaled_dot_product_attention(  # queries carry the scale (rope_tables)
+                    qs.transpose(0, 1)[None], ks.transpose(0, 1)[None], vs.transpose(0, 1)[None],
+                    is_causal=True, scale=1.0, enable_gqa=True,
+                )[0].transpose(0, 1).reshape(-1, h * d)
+                for qs, ks, vs in zip(q.split(lengths), k.split(lengths), v.split(lengths))
+            ]
+            x = self.finish_layer(layer, x, torch.cat(att))
+            if li in wanted:
+                feats[wanted[li]] = x
+            if li == last:
+                break  # the layers above the deepest wanted one do not change the features
+        return list(torch.cat(feats, dim=-1).split(lengths))
+
+    @torch.inference_mode()
     def forward_tree(self, tree: DraftTree, layer_ids: Sequence[int] | None) -> TargetOutput:
         """Score every node of a draft tree in one pass (see ``tree_attention.py``); logits and
         features come in node order. ``tree`` must be depth-first

@@ -28,7 +28,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -41,6 +41,8 @@ from .selfdistill import Sample
 INDEX = "index.json"
 # Tokens per part: minutes of the target's pass on a small CPU, under a GB for SmolLM2's six layers.
 PART_TOKENS = 1 << 17
+# Rows the target's pass stacks from several sequences where it can (measured in docs/TRAINING.md).
+STACK_TOKENS = 1024
 _LEGACY_PART = {"ids": "ids.npy", "features": "features.npy"}
 
 
@@ -168,6 +170,48 @@ def _chunks(lengths: list[int], part_tokens: int) -> list[tuple[int, int]]:
     return chunks
 
 
+def _feature_rows(runner: TargetRunner, items: list[tuple[Sample, int]], layer_ids: Sequence[int],
+                  stored: "_StoredFeatures", stack_tokens: int) -> Iterator[np.ndarray]:
+    """The cache rows (bf16 bits) of each (sample, length) of ``items``, in order: those the
+    generate stage kept are read, the others go through the target, several sequences per pass
+    (about ``stack_tokens`` rows) where the runner can stack them (``FastTarget.stacked_features``)."""
+    stack = None if getattr(runner, "compiled_layers", True) else getattr(runner, "stacked_features", None)
+    ready: dict[int, np.ndarray] = {}
+    pending: list[int] = []
+
+    def run_pending() -> None:
+        seqs = [torch.tensor(items[i][0].ids[: items[i][1]], dtype=torch.long) for i in pending]
+        if stack is not None and len(seqs) > 1:
+            outs = stack(seqs, list(layer_ids))
+        else:
+            outs = []
+            for ids in seqs:
+                runner.reset(ids.shape[0])
+                outs.append(runner.forward(ids, list(layer_ids), last_only=True).features)
+        for i, out in zip(pending, outs):
+            ready[i] = out.to(torch.bfloat16).contiguous().view(torch.int16).cpu().numpy()
+        pending.clear()
+
+    waiting_tokens, next_out = 0, 0
+    for i, (sample, length) in enumerate(items):
+        rows = stored.rows(sample, length)
+        if rows is not None:
+            ready[i] = rows
+        else:
+            pending.append(i)
+            waiting_tokens += length
+            if waiting_tokens >= stack_tokens:
+                run_pending()
+                waiting_tokens = 0
+        while next_out in ready:
+            yield ready.pop(next_out)
+            next_out += 1
+    run_pending()
+    while next_out in ready:
+        yield ready.pop(next_out)
+        next_out += 1
+
+
 def build_feature_cache(
     runner: TargetRunner,
     samples: list[Sample],
@@ -176,6 +220,7 @@ def build_feature_cache(
     max_length: int = 1024,
     responses_dir: str | Path | None = None,
     part_tokens: int = PART_TOKENS,
+    stack_tokens: int = STACK_TOKENS,
 ) -> FeatureStore:
     """Run the target over every sample once and write the cache.
 
@@ -214,13 +259,9 @@ def build_feature_cache(
             feat_mm = np.lib.format.open_memmap(out / ("next." + files["features"]), mode="w+", dtype=np.int16,
                                                 shape=(total, width))
             new_records, offset = [], 0
-            for sample, length in zip(todo[first:end], lengths[first:end]):
+            items = list(zip(todo[first:end], lengths[first:end]))
+            for (sample, length), rows in zip(items, _feature_rows(runner, items, layer_ids, stored, stack_tokens)):
                 ids = torch.tensor(sample.ids[:length], dtype=torch.long)
-                rows = stored.rows(sample, length)
-                if rows is None:
-                    runner.reset(length)
-                    out_t = runner.forward(ids, list(layer_ids), last_only=True)
-                    rows = out_t.features.to(torch.bfloat16).contiguous().view(torch.int16).cpu().numpy()
                 ids_mm[offset : offset + length] = ids.numpy().astype(np.int32)
                 feat_mm[offset : offset + length] = rows
                 new_records.append(SequenceRecord(sample.id, offset, length, len(sample.prompt_ids), len(parts)).__dict__)
