@@ -13,6 +13,7 @@ from dflash_core.drafter import DFlashDrafter, DrafterConfig
 from dflash_core.speculative import GenerationConfig, collect, stream
 from dflash_core.target import FastTarget
 from dflash_core.testing import tiny_target
+from dflash_core.training.errors import TrainingError
 from dflash_core.training.features import FeatureStore, build_feature_cache
 from dflash_core.training.objective import fused_linear_cross_entropy, make_batch, naive_training_mask, training_mask
 from dflash_core.training.selfdistill import Sample
@@ -88,7 +89,7 @@ def tiny_setup(tmp_path_factory):
     return model, runner, store, root
 
 
-def make_trainer(setup, work, **overrides):
+def make_trainer(setup, work, draft_vocab=0, **overrides):
     model, runner, store, _ = setup
     settings = TrainSettings(
         num_layers=1, target_layer_ids=[1, 3], block_size=8, mask_token_id=3, anchors_per_sequence=16,
@@ -99,7 +100,7 @@ def make_trainer(setup, work, **overrides):
         setattr(settings, k, v)
     config = DrafterConfig.for_target(model.config, num_layers=1, mask_token_id=3, block_size=8, target_layer_ids=[1, 3])
     return Trainer(settings, store, model.model.embed_tokens.weight.detach(), model.lm_head.weight.detach(),
-                   model.model.norm.weight.detach(), config, work, target_model=model)
+                   model.model.norm.weight.detach(), config, work, target_model=model, draft_vocab=draft_vocab)
 
 
 def test_feature_cache_holds_the_targets_layer_outputs(tiny_setup):
@@ -306,6 +307,42 @@ def test_export_with_a_draft_vocabulary_keeps_the_frequent_tokens_and_round_trip
     out = export_drafter(drafter, tmp_path / "export", {"target": "tiny", "steps": 2})
     assert torch.equal(DFlashDrafter.from_pretrained(out).draft_vocab, kept)
     assert trainer.drafter_for_export(draft_vocab=0).draft_vocab is None
+
+
+def test_the_exact_draft_vocabulary_softmax_scores_the_draft_vocabulary_alone(tiny_setup, tmp_path):
+    trainer = make_trainer(tiny_setup, tmp_path / "work", draft_vocab=12, ce_vocab="draft", steps=30)
+    batch, _ = trainer._batch(trainer._sequences_for_step(0), torch.Generator().manual_seed(0))
+    rows, to_sub = trainer._candidates(batch, torch.Generator().manual_seed(0))
+    draft = trainer.draft_tokens
+    assert draft.numel() == 12 and torch.equal(rows, trainer.head_full[draft])
+    assert torch.equal(to_sub[draft], torch.arange(12)) and int((to_sub >= 0).sum()) == 12
+    labels = batch.labels[batch.labels >= 0]
+    assert bool((to_sub[labels] < 0).any())  # some labels lie outside: they are skipped, not scored
+    first = [trainer.train_step()["ce"] for _ in range(5)]
+    for _ in range(20):
+        last = trainer.train_step()["ce"]
+    assert last < sum(first) / len(first)
+
+
+def test_evaluation_over_the_draft_vocabulary_is_what_the_exported_drafter_could_propose(tiny_setup, tmp_path):
+    whole = make_trainer(tiny_setup, tmp_path / "whole", draft_vocab=96, steps=3)
+    whole.run(progress=False)
+    report = whole.evaluate()
+    assert report["valid_acc_draft"] == report["valid_acc"]  # every token is a draft token: the same argmax
+    assert report["valid_tau_proxy_draft"] == report["valid_tau_proxy"]
+    small = make_trainer(tiny_setup, tmp_path / "small", draft_vocab=4, steps=3)
+    small.run(progress=False)
+    report = small.evaluate()
+    # A slot can only be right where its label is one of the four draft tokens.
+    st = small.settings
+    batch, _ = small._batch(small.valid_idx[: st.eval_sequences], torch.Generator().manual_seed(12345))
+    inside = torch.isin(batch.labels, small.draft_tokens).float().mean((0, 1))
+    assert all(a <= float(c) + 1e-6 for a, c in zip(report["valid_acc_draft"], inside))
+    assert "valid_acc_draft" not in make_trainer(tiny_setup, tmp_path / "none", steps=3).evaluate()
+    with pytest.raises(TrainingError, match="--draft-vocab"):
+        make_trainer(tiny_setup, tmp_path / "bad", ce_vocab="draft")
+    with pytest.raises(TrainingError, match="sampled or draft"):
+        make_trainer(tiny_setup, tmp_path / "bad2", ce_vocab="exact")
 
 
 def test_exported_drafter_loads_back_through_the_engine_with_identical_logits(tiny_setup, tmp_path):

@@ -178,7 +178,8 @@ def run_recipe(target: LoadedTarget, options: RecipeOptions, stages: list[str]) 
         # feature cache above is extended, not rebuilt.
         fit_dir = work / (f"fit-{len(store)}" if options.shards_dir is not None else "fit")
         trainer = Trainer(settings, store, embed, runner.lm_head_weight.detach(), final_norm, drafter_config, fit_dir,
-                          target_model=target.model, device="cpu" if runner.device.type == "cpu" else str(runner.device))
+                          target_model=target.model, device="cpu" if runner.device.type == "cpu" else str(runner.device),
+                          draft_vocab=options.draft_vocab)
 
     if "fit" in stages:
         def do_fit() -> dict[str, Any]:

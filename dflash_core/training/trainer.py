@@ -55,6 +55,9 @@ class TrainSettings:
     sub_vocab: int = 4096  # most frequent response tokens: always in the softmax of the CE/KL losses
     negatives: int = 4096  # + this many random vocabulary rows per step (+ every label of the step),
     # so that tokens never seen as labels are still pushed down: the drafter runs with the full head
+    ce_vocab: str = "sampled"  # sampled: the softmax above | draft: an exact softmax over the draft
+    # vocabulary the exported drafter proposes from (the trainer's ``draft_vocab``), nothing else;
+    # labels outside it are skipped, as the exported drafter can never propose them
     ce_weight: float = 1.0
     kl_weight: float = 0.0
     reg_weight: float = 0.0
@@ -127,6 +130,16 @@ def frequent_tokens(store: FeatureStore, indices: list[int], size: int, vocab_si
     return torch.topk(counts, size).indices.sort().values
 
 
+def _tau_proxy(accuracy: list[float]) -> float:
+    """Expected acceptance length if slot k were accepted independently with probability
+    ``accuracy[k]``: a cheap proxy to watch (the engine measures the real tau)."""
+    tau, run = 1.0, 1.0
+    for p in accuracy:
+        run *= p
+        tau += run
+    return round(tau, 3)
+
+
 def warm_start(drafter: DFlashDrafter, target_model: torch.nn.Module, source_layers: list[int]) -> None:
     """Copy target decoder layers into the drafter (q/k norms start as identity) and pass the
     deepest selected feature through ``fc``."""
@@ -160,11 +173,16 @@ class Trainer:
         work_dir: str | Path,
         target_model: torch.nn.Module | None = None,
         device: str = "cpu",
+        draft_vocab: int = 0,  # the exported drafter's vocabulary (most frequent response tokens; 0: all)
     ) -> None:
         from accelerate import Accelerator
 
         if settings.mask_token_id < 0:
             raise TrainingError("TrainSettings.mask_token_id must be set (the recipe picks one for the target)")
+        if settings.ce_vocab not in ("sampled", "draft"):
+            raise TrainingError(f"ce_vocab {settings.ce_vocab!r}: choose sampled or draft")
+        if settings.ce_vocab == "draft" and not draft_vocab:
+            raise TrainingError("ce_vocab 'draft' is an exact softmax over the draft vocabulary: set --draft-vocab N (N > 0)")
         self.settings = settings
         self.store = store
         self.work = Path(work_dir)
@@ -181,6 +199,9 @@ class Trainer:
         self.train_idx, self.valid_idx = split_validation(store, settings.validation_percent)
         self.vocab_size = int(head_weight.shape[0])
         self.frequent = frequent_tokens(store, self.train_idx, settings.sub_vocab, self.vocab_size)
+        self.draft_vocab = draft_vocab
+        self.draft_tokens = (frequent_tokens(store, self.train_idx, draft_vocab, self.vocab_size)
+                             if draft_vocab else None)
         self.head_full = head_weight.to(self.device, self.compute_dtype)
 
         self.column_ids = list(settings.target_layer_ids)
@@ -288,10 +309,14 @@ class Trainer:
 
     def _candidates(self, batch: Batch, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         """The vocabulary rows this step's softmax runs over: the frequent tokens, every label of
-        the step, and random negatives (a sampled softmax; see ``TrainSettings.negatives``)."""
-        labels = batch.labels[batch.labels >= 0].unique()
-        negatives = torch.randint(self.vocab_size, (self.settings.negatives,), generator=generator)
-        candidates = torch.unique(torch.cat((self.frequent, labels, negatives)))
+        the step, and random negatives (a sampled softmax; see ``TrainSettings.negatives``), or
+        exactly the draft vocabulary (``ce_vocab`` "draft")."""
+        if self.settings.ce_vocab == "draft":
+            candidates = self.draft_tokens
+        else:
+            labels = batch.labels[batch.labels >= 0].unique()
+            negatives = torch.randint(self.vocab_size, (self.settings.negatives,), generator=generator)
+            candidates = torch.unique(torch.cat((self.frequent, labels, negatives)))
         to_sub = torch.full((self.vocab_size,), -1, dtype=torch.long)
         to_sub[candidates] = torch.arange(candidates.shape[0])
         return self.head_full[candidates.to(self.device)], to_sub.to(self.device)
@@ -339,11 +364,14 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, Any]:
-        """Per-slot top-1 accuracy (full vocabulary) on held-out sequences, fixed anchors."""
+        """Per-slot top-1 accuracy on held-out sequences, fixed anchors: over the full vocabulary,
+        and with a draft vocabulary also over it alone, as the exported drafter proposes."""
         st = self.settings
         self.drafter.eval()
         correct = torch.zeros(st.block_size - 1)
+        correct_draft = torch.zeros(st.block_size - 1)
         count = torch.zeros(st.block_size - 1)
+        draft_head = None if self.draft_tokens is None else self.head_full[self.draft_tokens.to(self.device)]
         idx = self.valid_idx[: st.eval_sequences]
         gen = torch.Generator().manual_seed(12345)
         for i in range(0, len(idx), st.sequences_per_step):
@@ -356,14 +384,15 @@ class Trainer:
             valid = batch.labels >= 0
             correct += ((pred == batch.labels) & valid).sum((0, 1)).float()
             count += valid.sum((0, 1)).float()
+            if draft_head is not None:
+                pred = self.draft_tokens[F.linear(slots.to(self.compute_dtype), draft_head).argmax(-1).cpu()]
+                correct_draft += ((pred == batch.labels) & valid).sum((0, 1)).float()
         acc = (correct / count.clamp_min(1)).tolist()
-        # Expected acceptance length if slot k were accepted independently with prob acc_k: a
-        # cheap proxy to watch (the engine measures the real tau).
-        tau, run = 1.0, 1.0
-        for p in acc:
-            run *= p
-            tau += run
-        return {"valid_acc": [round(x, 4) for x in acc], "valid_tau_proxy": round(tau, 3)}
+        result = {"valid_acc": [round(x, 4) for x in acc], "valid_tau_proxy": _tau_proxy(acc)}
+        if draft_head is not None:
+            acc = (correct_draft / count.clamp_min(1)).tolist()
+            result.update(valid_acc_draft=[round(x, 4) for x in acc], valid_tau_proxy_draft=_tau_proxy(acc))
+        return result
 
     def _replan(self, time_budget_s: float, run_started: float, first_step: int) -> None:
         """Set the step count so the run ends within ``time_budget_s`` at the pace measured so far.
@@ -402,7 +431,7 @@ class Trainer:
                 self.save_checkpoint()
             bar.update(1)
             bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc1=f"{metrics['acc1']:.2f}",
-                            acc=f"{metrics['acc_mean']:.2f}", val_tau=last_eval.get("valid_tau_proxy", "-"))
+                            acc=f"{metrics['acc_mean']:.2f}", val_tau=last_eval.get("valid_tau_proxy_draft", last_eval.get("valid_tau_proxy", "-")))
         bar.close()
         return {"steps": self.step, "elapsed_s": self.elapsed, **last_eval}
 
