@@ -25,6 +25,7 @@ from dflash_core.drafter import DrafterConfig
 from dflash_core.loading import load_target
 from dflash_core.registry import load_registry
 from dflash_core.training.features import build_feature_cache
+from dflash_core.training.recipe import RecipeOptions
 from dflash_core.training.shards import read_samples
 from dflash_core.training.trainer import Trainer, TrainSettings
 
@@ -41,7 +42,6 @@ ARMS: dict[str, dict[str, Any]] = {
     "three_layers": {"num_layers": 3},
     "four_layers": {"num_layers": 4},
 }
-DRAFT_VOCAB = 8192  # the recipe's --draft-vocab
 
 
 def build_cache(target: Any, shards: Path, kept: Path, work: Path, max_tokens: int | None) -> Any:
@@ -88,7 +88,7 @@ def main() -> None:
                                        target_layer_ids=settings.target_layer_ids)
         trainers[arm] = Trainer(settings, store, target.model.get_input_embeddings().weight.detach(),
                                 target.runner.lm_head_weight.detach(), target.model.model.norm.weight.detach(), cfg,
-                                args.work / arm, target_model=target.model, draft_vocab=DRAFT_VOCAB)
+                                args.work / arm, target_model=target.model, draft_vocab=RecipeOptions.draft_vocab)
     seconds = dict.fromkeys(trainers, 0.0)
     curves: dict[str, list[dict[str, Any]]] = {arm: [] for arm in trainers}
     for start in range(0, args.steps, args.turn):

@@ -199,7 +199,6 @@ class Trainer:
         self.train_idx, self.valid_idx = split_validation(store, settings.validation_percent)
         self.vocab_size = int(head_weight.shape[0])
         self.frequent = frequent_tokens(store, self.train_idx, settings.sub_vocab, self.vocab_size)
-        self.draft_vocab = draft_vocab
         self.draft_tokens = (frequent_tokens(store, self.train_idx, draft_vocab, self.vocab_size)
                              if draft_vocab else None)
         self.head_full = head_weight.to(self.device, self.compute_dtype)
@@ -431,7 +430,8 @@ class Trainer:
                 self.save_checkpoint()
             bar.update(1)
             bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc1=f"{metrics['acc1']:.2f}",
-                            acc=f"{metrics['acc_mean']:.2f}", val_tau=last_eval.get("valid_tau_proxy_draft", last_eval.get("valid_tau_proxy", "-")))
+                            acc=f"{metrics['acc_mean']:.2f}",
+                            val_tau=last_eval.get("valid_tau_proxy_draft", last_eval.get("valid_tau_proxy", "-")))
         bar.close()
         return {"steps": self.step, "elapsed_s": self.elapsed, **last_eval}
 
