@@ -4,9 +4,10 @@ Decoding a 135M model on two cores is bound by reading its weights: every target
 streams ~270 MB of bf16 matrices. ``F.linear`` hands them to oneDNN in PyTorch's plain layout,
 and oneDNN reorders them into its blocked layout on every call; packing each weight once, at
 load time, removes that work from every forward (docs/BENCHMARKS.md has the timings per CPU).
-fp32 weights are packed the same way: on CPUs without a native bf16 path (AVX2 only), where
-``dtype = "auto"`` runs the target in fp32 (``native_bf16``), the packed fp32 kernel is the fast
-one and, unlike ``F.linear``'s, gives every row the same numbers whatever the rows beside it.
+fp32 weights are packed the same way: on CPUs without bf16 instructions (AVX2 only, or AVX-512
+without AVX512-BF16 and AMX), where ``dtype = "auto"`` runs the target in fp32 (``native_bf16``),
+the packed fp32 kernel is the fast one and, on AVX2, unlike ``F.linear``'s, gives every row the
+same numbers whatever the rows beside it.
 
 The engine's losslessness rests on batch invariance: a row's result must not depend on how many
 rows share its call (see ``target.py``). A packed weight is only used after a probe shows, on
@@ -53,10 +54,9 @@ def probe_rows(in_features: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 @functools.cache
-def native_bf16() -> bool:
-    """Whether oneDNN has a bf16 matrix path on this CPU (AVX-512 or AVX-NE-CONVERT and up). Without
-    one, bf16 matrices run on a generic path that costs more per row than fp32's (docs/BENCHMARKS.md,
-    "A CPU without bf16 matrix kernels"). Asked once per process: the CPU does not change."""
+def onednn_bf16() -> bool:
+    """Whether oneDNN can pack bf16 weights on this CPU (AVX-512 or AVX-NE-CONVERT and up), whether
+    or not the CPU multiplies bf16 in hardware. Asked once per process: the CPU does not change."""
     if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
         return False
     try:
@@ -64,6 +64,16 @@ def native_bf16() -> bool:
     except RuntimeError:  # "bf16 path needs the cpu support avx_ne_convert or avx512bw, avx512vl ..."
         return False
     return True
+
+
+@functools.cache
+def native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 matrices in hardware (AVX512-BF16 or AMX, as PyTorch reports
+    them) on oneDNN's bf16 path. AVX-512 without those instructions has that path too, but it
+    converts to fp32 and back, so bf16 costs more per row than fp32 there, as on an AVX2-only CPU's
+    generic path (docs/BENCHMARKS.md, "A CPU without bf16 matrix kernels" and "AVX-512 without bf16
+    instructions")."""
+    return (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()) and onednn_bf16()
 
 
 def _packed_rows(weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor) -> str | None:

@@ -41,6 +41,8 @@ ARMS: dict[str, dict[str, Any]] = {
     "draft_kl": {"ce_vocab": "draft", "kl_weight": 1.0},  # + KL to the target at every slot
     "three_layers": {"num_layers": 3},
     "four_layers": {"num_layers": 4},
+    "fp32": {"compute_dtype": "float32"},  # the recipe with its arithmetic pinned, to time the two side by side
+    "bf16": {"compute_dtype": "bfloat16"},
 }
 
 

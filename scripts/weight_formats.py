@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dflash_core.kernels import Linear, native_bf16  # noqa: E402
+from dflash_core.kernels import Linear, native_bf16, onednn_bf16  # noqa: E402
 from dflash_core.loading import resolve_gguf  # noqa: E402
 from dflash_core.registry import load_registry  # noqa: E402
 from dflash_core.kernels import PROBE_ROWS, rows_match  # noqa: E402
@@ -191,7 +191,8 @@ def main() -> None:
     nbytes["fp32 rows, int4 Q4_1 blocks (bf16 inside)"] = nbytes["int4 Q4_1 blocks"]
     for n in whole_pass:
         nbytes[n] = 2 * bf16_bytes
-    print(f"oneDNN bf16 path on this CPU (kernels.native_bf16): {native_bf16()}; threads: {torch.get_num_threads()}")
+    print(f"oneDNN bf16 path on this CPU (kernels.onednn_bf16): {onednn_bf16()}; bf16 instructions "
+          f"(kernels.native_bf16, what dtype auto follows): {native_bf16()}; threads: {torch.get_num_threads()}")
 
     row_counts = [int(r) for r in args.rows.split(",")]
     base = {r: [torch.randn(r, w.shape[1]) for w in bf16[0]] for r in row_counts}

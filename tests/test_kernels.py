@@ -1,16 +1,18 @@
 """Pre-packed linear layers (dflash_core/kernels.py): same numbers as F.linear, or not used."""
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash_core.kernels import Linear, native_bf16
+from dflash_core.kernels import Linear, native_bf16, onednn_bf16
 from dflash_core.testing import tiny_target
 
 
 def _packing_expected() -> bool:
     """bf16 weights can be packed: oneDNN has a bf16 path on this CPU (AVX-512 and up; not AVX2)."""
-    return native_bf16()
+    return onednn_bf16()
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -64,16 +66,36 @@ def test_other_dtypes_and_unpacked_linears_stay_on_f_linear():
 
 
 def test_a_cpu_without_a_bf16_path_leaves_bf16_weights_on_f_linear_and_avx512_has_one():
-    """native_bf16 against an independent witness (PyTorch's own CPU capability), and what follows
+    """onednn_bf16 against an independent witness (PyTorch's own CPU capability), and what follows
     from it: where it is False, a bf16 Linear is unpacked and still gives F.linear's numbers."""
     if torch.backends.cpu.get_cpu_capability().startswith("AVX512") and torch.backends.mkldnn.is_available():
-        assert native_bf16()
+        assert onednn_bf16()
     weight = torch.randn(64, 32).to(torch.bfloat16)
     linear = Linear(weight)
-    if not native_bf16():
+    if not onednn_bf16():
         assert linear.packed is None
     x = torch.randn(5, 32).to(torch.bfloat16)
     assert torch.equal(linear(x), F.linear(x, weight)) or linear.lone_row_packed
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return next((set(line.split(":", 1)[1].split()) for line in text.splitlines() if line.startswith("flags")), set())
+
+
+def test_bf16_counts_as_native_only_where_the_cpu_has_bf16_instructions():
+    """native_bf16 (what ``dtype = "auto"`` follows) against the flags the operating system reports:
+    an AVX-512 CPU without AVX512-BF16 or AMX has oneDNN's bf16 path but converts on it: fp32."""
+    flags = _cpu_flags()
+    if not flags:
+        pytest.skip("this system has no /proc/cpuinfo flags to witness the CPU's instructions")
+    if not {"avx512_bf16", "amx_bf16"} & flags:
+        assert not native_bf16()
+    else:
+        assert native_bf16() == onednn_bf16()
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
