@@ -73,7 +73,9 @@ def native_bf16() -> bool:
     converts to fp32 and back, so bf16 costs more per row than fp32 there, as on an AVX2-only CPU's
     generic path (docs/BENCHMARKS.md, "A CPU without bf16 matrix kernels" and "AVX-512 without bf16
     instructions")."""
-    return (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()) and onednn_bf16()
+    # Private PyTorch probes: a release without one counts as a CPU without those instructions (fp32).
+    probes = (getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+    return any(probe is not None and probe() for probe in probes) and onednn_bf16()
 
 
 def _packed_rows(weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor) -> str | None:

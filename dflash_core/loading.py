@@ -50,9 +50,9 @@ def torch_dtype(name: str) -> torch.dtype:
 
 def resolve_dtype(name: str, device: str = "cpu") -> str:
     """``"auto"``: bfloat16 where the device multiplies bf16 matrices natively (a CUDA GPU with
-    bf16 support; a CPU with bf16 instructions on oneDNN's bf16 path, ``kernels.native_bf16``), else float32:
-    without that path a 16-row bf16 pass costs several times an fp32 one, which turns a verify
-    block into a slowdown. Any other name is returned as it is."""
+    bf16 support; a CPU with bf16 instructions, ``kernels.native_bf16``), else float32: without
+    them a 16-row bf16 pass costs two to several times an fp32 one, which turns a verify block into
+    a slowdown. Any other name is returned as it is."""
     if name != "auto":
         return name
     if device.startswith("cuda") or device == "auto":
