@@ -14,6 +14,9 @@ Sources (all ship inside PyPI packages or are generated here; see ``docs/TRAININ
 * templated instructions over a hand-written topic list (explain, compare, list, write, plan,
   summarise, email, story, ...), templated programming exercises and arithmetic word problems.
 
+``code_references`` and ``chitchat_replies`` pair a prompt with a real answer (the package's own
+code, the person's next turn): text for teacher-forced labels (``teacher_labels.py``), not prompts.
+
 ``build_prompt_set`` is deterministic for a seed and a set of installed package versions; the
 recipe commits the built set (``assets/data/train_prompts.jsonl.gz``) so runs do not depend on
 versions. A hash-based 3% of the prompts is held out for evaluation and never trained on.
@@ -25,6 +28,7 @@ import ast
 import gzip
 import hashlib
 import importlib.metadata
+import importlib.util
 import json
 import os
 import random
@@ -142,36 +146,41 @@ def _package_files(module: str) -> list[Path]:
     return sorted(p for p in root.rglob("*.py") if "test" not in p.name and "/tests/" not in str(p))
 
 
+def _function_stubs(package: str) -> list[tuple[str, str, str, str]]:
+    """(name, stub, docstring summary, full source) of each documented public top-level function."""
+    stubs: list[tuple[str, str, str, str]] = []
+    for file in _package_files(package):
+        try:
+            code = file.read_text(encoding="utf-8")
+            tree = ast.parse(code)
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        for node in tree.body:
+            if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
+                continue
+            doc = ast.get_docstring(node)
+            if not doc or not 60 <= len(doc) <= 900 or "\t" in doc:
+                continue
+            stub = ast.FunctionDef(
+                name=node.name, args=node.args, body=[ast.Expr(ast.Constant(doc))],
+                decorator_list=[], returns=node.returns, type_comment=None, type_params=[],
+            )
+            try:
+                text = ast.unparse(ast.fix_missing_locations(stub))
+            except Exception:  # odd AST shapes: skip
+                continue
+            summary = doc.strip().split("\n\n")[0].replace("\n", " ")
+            stubs.append((node.name, text, summary, ast.get_source_segment(code, node) or ""))
+    return stubs
+
+
 def code_stub_tasks(per_package: int = 400, seed: int = 0, packages: tuple[str, ...] = CODE_PACKAGES) -> Iterator[Prompt]:
     """Function stubs (signature + docstring) from third-party packages, as code tasks."""
-    import importlib.util  # noqa: F401  (used by _package_files)
-
     rng = random.Random(seed)
     for package in packages:
-        stubs: list[tuple[str, str, str]] = []
-        for file in _package_files(package):
-            try:
-                tree = ast.parse(file.read_text(encoding="utf-8"))
-            except (SyntaxError, UnicodeDecodeError, ValueError):
-                continue
-            for node in tree.body:
-                if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
-                    continue
-                doc = ast.get_docstring(node)
-                if not doc or not 60 <= len(doc) <= 900 or "\t" in doc:
-                    continue
-                stub = ast.FunctionDef(
-                    name=node.name, args=node.args, body=[ast.Expr(ast.Constant(doc))],
-                    decorator_list=[], returns=node.returns, type_comment=None, type_params=[],
-                )
-                try:
-                    text = ast.unparse(ast.fix_missing_locations(stub))
-                except Exception:  # odd AST shapes: skip
-                    continue
-                summary = doc.strip().split("\n\n")[0].replace("\n", " ")
-                stubs.append((node.name, text, summary))
+        stubs = _function_stubs(package)
         rng.shuffle(stubs)
-        for name, text, summary in stubs[:per_package]:
+        for name, text, summary, _ in stubs[:per_package]:
             style = rng.random()
             if style < 0.45:
                 content = text + "\n"  # HumanEval-like: the bare stub
@@ -181,6 +190,43 @@ def code_stub_tasks(per_package: int = 400, seed: int = 0, packages: tuple[str, 
                 first = summary[0].lower() + summary[1:] if summary else "does what its name says"
                 content = f"Write a Python function `{name}` that {first.rstrip('.')}."
             yield Prompt(_pid("code", package + name + content[:40]), f"code-stubs/{package}", _user(content), ["code"])
+
+
+# ------------------------------------------------------------- prompts that come with a real answer
+def code_references(per_package: int = 20, seed: int = 0,
+                    packages: tuple[str, ...] = CODE_PACKAGES) -> Iterator[tuple[Prompt, str]]:
+    """A function's stub as a task, with the package's own implementation as the answer."""
+    rng = random.Random(seed)
+    for package in packages:
+        stubs = [s for s in _function_stubs(package) if s[3]]
+        rng.shuffle(stubs)
+        for name, text, _, source in stubs[:per_package]:
+            content = f"Complete the following Python function:\n\n```python\n{text}\n```"
+            prompt = Prompt(_pid("code-ref", package + name), f"code-references/{package}", _user(content), ["code"])
+            yield prompt, f"```python\n{source}\n```"
+
+
+def chitchat_replies(limit: int = 200, seed: int = 0) -> Iterator[tuple[Prompt, str]]:
+    """Opening turns of ``limit`` real conversations, with the person's real next turn as the answer."""
+    file = _dist_file("chitchat-dataset", "chitchat_dataset/dataset.json")
+    if file is None:
+        return
+    data = json.loads(file.read_text(encoding="utf-8"))
+    rng = random.Random(seed)
+    keys = sorted(data)
+    rng.shuffle(keys)
+    given = 0
+    for key in keys:
+        if given == limit:
+            return
+        turns = [t for t in (" ".join(m["text"] for m in turn).strip() for turn in data[key]["messages"]) if t]
+        n = min(rng.choice((1, 3, 5)), len(turns) - 1)
+        n -= (n + 1) % 2  # odd: the prompt ends on the user's side, the answer is the assistant's
+        if n < 1:
+            continue
+        messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(turns[:n])]
+        given += 1
+        yield Prompt(_pid("chitchat-ref", f"{key}/{n}"), "chitchat-references", messages), turns[n]
 
 
 TOPICS = """photosynthesis; black holes; the French Revolution; machine learning; climate change; the water cycle;
