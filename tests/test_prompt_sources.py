@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import gzip
 import random
 from pathlib import Path
@@ -10,7 +11,7 @@ import pytest
 
 from dflash_core.training.prompt_sources import (
     DOC_COMMENTED, Prompt, _doc_commented_functions, _jsdoc_functions, append_prompts, chitchat_conversations,
-    chitchat_more, read_prompts, write_prompts,
+    chitchat_more, chitchat_replies, code_references, read_prompts, write_prompts,
 )
 from dflash_core.training.shards import DataDir, ids_digest, prompt_order
 
@@ -116,6 +117,33 @@ def test_more_chitchat_repeats_the_first_set_and_adds_chats_that_end_on_the_user
     for prompt in windows:
         roles = [m["role"] for m in prompt.messages]
         assert len(roles) in (3, 5, 7) and roles == ["user", "assistant"] * (len(roles) // 2) + ["user"]
+
+
+def test_code_references_pair_a_stub_task_with_the_functions_own_source():
+    pairs = list(code_references(per_package=3, packages=("jinja2",)))
+    if not pairs:
+        pytest.skip("jinja2 is not installed")
+    assert len(pairs) == 3 and len({p.id for p, _ in pairs}) == 3
+    for prompt, answer in pairs:
+        task = prompt.messages[-1]["content"]
+        name = task.split("def ", 1)[1].split("(", 1)[0]
+        assert prompt.source == "code-references/jinja2" and answer.startswith(f"```python\ndef {name}(")
+        docstring = ast.get_docstring(ast.parse(answer.strip("`").removeprefix("python\n")).body[0])
+        assert docstring and docstring.split("\n")[0] in task  # the stub carries the real docstring
+    assert [p.id for p, _ in pairs] == [p.id for p, _ in code_references(per_package=3, packages=("jinja2",))]
+
+
+def test_chitchat_replies_end_on_the_user_with_the_real_next_turn():
+    pairs = list(chitchat_replies(limit=40))
+    if not pairs:
+        pytest.skip("chitchat-dataset is not installed")
+    assert len(pairs) == 40
+    lengths = set()
+    for prompt, answer in pairs:
+        roles = [m["role"] for m in prompt.messages]
+        assert roles == ["user", "assistant"] * (len(roles) // 2) + ["user"] and answer.strip()
+        lengths.add(len(roles))
+    assert lengths == {1, 3, 5}  # opening windows of each length, not only the first turn
 
 
 def test_math_questions_are_deterministic_and_leave_the_global_random_state_alone():
