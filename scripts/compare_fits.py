@@ -3,7 +3,8 @@
     python scripts/compare_fits.py --work runs/compare-fits --steps 800 --arms sampled,draft
 
 The cache holds the committed shards whose features `make gen-data` kept on this machine (no
-target pass; --max-tokens caps it). Every arm starts from the bundled recipe's fit (the Makefile's
+target pass); with --target-pass, the committed answers from the first shard on, the target running
+over those whose features were not kept. --max-tokens caps it. Every arm starts from the bundled recipe's fit (the Makefile's
 FIT_ARGS) and changes what its entry in ARMS says. Arms take turns of --turn steps, so a machine
 that slows down slows them alike. Each evaluates on the same held-out sequences every
 --eval-every steps (blocks of 16; the proxy over the 8,192-token draft vocabulary is what the
@@ -26,6 +27,7 @@ from dflash_core.loading import load_target
 from dflash_core.registry import load_registry
 from dflash_core.training.features import build_feature_cache
 from dflash_core.training.recipe import RecipeOptions
+from dflash_core.training.selfdistill import Sample
 from dflash_core.training.shards import read_samples
 from dflash_core.training.trainer import Trainer, TrainSettings
 
@@ -46,18 +48,24 @@ ARMS: dict[str, dict[str, Any]] = {
 }
 
 
-def build_cache(target: Any, shards: Path, kept: Path, work: Path, max_tokens: int | None) -> Any:
-    samples = [s for s in read_samples(shards, kept) if s.features is not None]
+def pick_samples(samples: list[Sample], max_tokens: int | None, target_pass: bool) -> list[Sample]:
+    """The answers the cache holds, in shard order: only those with kept features unless
+    ``target_pass``, cut before the first that would take it past ``max_tokens`` (prompts included)."""
+    chosen = samples if target_pass else [s for s in samples if s.features is not None]
     if max_tokens is not None:
-        total, cut = 0, len(samples)
-        for i, s in enumerate(samples):
+        total = 0
+        for i, s in enumerate(chosen):
             total += len(s.prompt_ids) + len(s.response_ids)
             if total > max_tokens:
-                cut = i
-                break
-        samples = samples[:cut]
+                return chosen[:i]
+    return chosen
+
+
+def build_cache(target: Any, shards: Path, kept: Path, work: Path, max_tokens: int | None, target_pass: bool) -> Any:
+    samples = pick_samples(read_samples(shards, kept), max_tokens, target_pass)
     if not samples:
-        raise SystemExit(f"no answers in {shards} have kept features in {kept}: run `make gen-data` on this machine first")
+        raise SystemExit(f"no answers in {shards} have kept features in {kept}: run `make gen-data` on this machine "
+                         "first, or pass --target-pass --max-tokens N to run the target over committed answers")
     return build_feature_cache(target.runner, samples, FEATURE_LAYERS, work / "features", responses_dir=kept)
 
 
@@ -67,6 +75,9 @@ def main() -> None:
     parser.add_argument("--shards", type=Path, default=Path("assets/data/smollm2-answers"))
     parser.add_argument("--kept", type=Path, default=Path("runs/smollm2-shards/kept-features"))
     parser.add_argument("--max-tokens", type=int, default=None, help="cap the cache (prompt + answer tokens)")
+    parser.add_argument("--target-pass", action="store_true",
+                        help="also take answers whose features were not kept here: the target runs over them once "
+                             "(on a fresh clone, where no features were kept)")
     parser.add_argument("--arms", default="sampled,draft")
     parser.add_argument("--steps", type=int, default=800, help="each arm's whole schedule")
     parser.add_argument("--turn", type=int, default=25, help="steps an arm runs before the next takes over")
@@ -78,7 +89,7 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"unknown arm(s) {unknown}; choose from {', '.join(ARMS)}")
     target = load_target(load_registry().get("smollm2-135m").target, "auto")
-    store = build_cache(target, args.shards, args.kept, args.work, args.max_tokens)
+    store = build_cache(target, args.shards, args.kept, args.work, args.max_tokens, args.target_pass)
     print(f"cache: {len(store)} sequences, {store.num_tokens} tokens", flush=True)
 
     trainers: dict[str, Trainer] = {}
