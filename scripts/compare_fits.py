@@ -43,6 +43,7 @@ ARMS: dict[str, dict[str, Any]] = {
     "draft_kl": {"ce_vocab": "draft", "kl_weight": 1.0},  # + KL to the target at every slot
     "three_layers": {"num_layers": 3},
     "four_layers": {"num_layers": 4},
+    "grouped": {"length_group_steps": 32},  # steps of like-length sequences: less context padding
     "fp32": {"compute_dtype": "float32"},  # the recipe with its arithmetic pinned, to time the two side by side
     "bf16": {"compute_dtype": "bfloat16"},
 }

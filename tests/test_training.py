@@ -17,7 +17,7 @@ from dflash_core.training.errors import TrainingError
 from dflash_core.training.features import FeatureStore, build_feature_cache
 from dflash_core.training.objective import fused_linear_cross_entropy, make_batch, naive_training_mask, training_mask
 from dflash_core.training.selfdistill import Sample
-from dflash_core.training.trainer import Trainer, TrainSettings
+from dflash_core.training.trainer import Trainer, TrainSettings, length_grouped_order
 
 
 def test_training_mask_is_exactly_the_per_block_construction():
@@ -281,6 +281,46 @@ def test_training_is_deterministic_given_a_seed(tiny_setup, tmp_path):
     other = make_trainer(tiny_setup, tmp_path / "three", steps=6, seed=1)
     other.run(progress=False)
     assert not all(torch.equal(a[k], other.unwrapped().state_dict()[k]) for k in a)
+
+
+@pytest.mark.parametrize("count,group_steps", [(203, 4), (64, 8), (10, 50), (7, 1)])
+def test_length_grouped_order_is_a_permutation_whose_steps_hold_like_lengths(count, group_steps):
+    gen = torch.Generator().manual_seed(1)
+    lengths = torch.randint(5, 900, (count,), generator=gen).tolist()
+    per_step = 4
+    order = length_grouped_order(lengths, per_step, group_steps, torch.Generator().manual_seed(2))
+    assert sorted(order) == list(range(count))
+    size = per_step * group_steps
+    for start in range(0, count, size):  # a group holds the same indices as the plain shuffle's slice
+        plain = length_grouped_order(lengths, per_step, 0, torch.Generator().manual_seed(2))
+        assert sorted(order[start : start + size]) == sorted(plain[start : start + size])
+    for k in range(0, count - count % per_step, per_step):  # full steps are length-sorted runs of their group
+        step = [lengths[i] for i in order[k : k + per_step]]
+        group_start = k // size * size
+        group = sorted((lengths[i] for i in order[group_start : group_start + size]), reverse=True)
+        assert any(group[j : j + per_step] == sorted(step, reverse=True) for j in range(0, len(group), per_step))
+    if count % per_step:  # the short step is the last one
+        tail = order[count - count % per_step :]
+        group = sorted((lengths[i] for i in order[(count - 1) // size * size :]), reverse=True)
+        assert sorted((lengths[i] for i in tail), reverse=True) == group[-len(tail):]
+
+
+def test_length_grouping_pads_less_and_still_sees_every_sequence_once_an_epoch(tiny_setup, tmp_path):
+    plain = make_trainer(tiny_setup, tmp_path / "plain", steps=8)
+    grouped = make_trainer(tiny_setup, tmp_path / "grouped", steps=8, length_group_steps=4)
+    per_epoch = len(plain.train_idx) // 4
+    assert per_epoch >= 4
+
+    def padded_rows(trainer):
+        return sum(4 * max(trainer.store.records[i].length for i in trainer._sequences_for_step(k))
+                   for k in range(per_epoch))
+
+    epoch = [i for k in range(per_epoch) for i in grouped._sequences_for_step(k)]
+    assert len(epoch) == len(set(epoch)) == per_epoch * 4 and set(epoch) <= set(grouped.train_idx)
+    assert padded_rows(grouped) < padded_rows(plain)
+    assert grouped._sequences_for_step(per_epoch) != grouped._sequences_for_step(0)  # a new epoch, a new order
+    grouped.run(progress=False)  # and the fit runs on it
+    assert grouped.step == 8
 
 
 def test_resume_with_other_settings_is_refused(tiny_setup, tmp_path):

@@ -17,6 +17,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -40,6 +41,10 @@ class TrainSettings:
     mask_token_id: int = -1  # -1: the recipe picks an unused token (loading.choose_mask_token_id)
     anchors_per_sequence: int = 64  # blocks per sequence per step (recipe: up to 512)
     sequences_per_step: int = 4  # several sequences: larger matmuls, smoother gradients
+    length_group_steps: int = 0  # >0: each epoch's shuffled order is cut into groups of this many
+    # steps, each group sorted by length before it is cut into steps (whose order is shuffled):
+    # a step's context is padded to its longest sequence, so sequences of like length waste less
+    # of it (``length_grouped_order``); 0: a plain shuffle
     block_schedule: str = ""  # curriculum, e.g. "4:0.45,8:0.25,16:0.3" = B=4 for 45% of the steps,
     # then 8, then 16. Compute grows with blocks x slots, and tau is decided by the first slots:
     # small blocks early train slot 1 on 4x more anchors per step (measured: held-out slot-1
@@ -117,6 +122,32 @@ def split_validation(store: FeatureStore, percent: int) -> tuple[list[int], list
         bucket = int(hashlib.sha1(("valid:" + rec.id).encode()).hexdigest()[:8], 16) % 100
         (valid if bucket < percent else train).append(i)
     return train, valid
+
+
+def length_grouped_order(lengths: Sequence[int], per_step: int, group_steps: int,
+                         generator: torch.Generator) -> list[int]:
+    """A permutation of ``range(len(lengths))`` read ``per_step`` at a time, one step after another.
+
+    ``group_steps <= 0``: a plain shuffle. Otherwise the shuffle is cut into groups of
+    ``group_steps * per_step`` indices; each group is sorted by length and cut into steps, and the
+    steps of a group are shuffled, so a step holds sequences of like length while the groups, and
+    which sequences share a group, stay random (the sampler of transformers' ``group_by_length``).
+    Only the last group can end in a short step, and it stays last, so step ``k`` is always the
+    slice ``[k * per_step, (k + 1) * per_step)``."""
+    perm = torch.randperm(len(lengths), generator=generator)
+    if group_steps <= 0 or per_step <= 1:
+        return perm.tolist()
+    lens = torch.as_tensor(list(lengths), dtype=torch.long)
+    size = per_step * group_steps
+    order: list[torch.Tensor] = []
+    for start in range(0, len(perm), size):
+        group = perm[start : start + size]
+        group = group[torch.argsort(lens[group], descending=True, stable=True)]
+        steps = list(group.split(per_step))
+        tail = [steps.pop()] if steps[-1].numel() < per_step else []
+        order.extend(steps[i] for i in torch.randperm(len(steps), generator=generator).tolist())
+        order.extend(tail)
+    return torch.cat(order).tolist()
 
 
 def frequent_tokens(store: FeatureStore, indices: list[int], size: int, vocab_size: int) -> torch.Tensor:
@@ -230,6 +261,7 @@ class Trainer:
         )
         self.drafter, self.optimizer = self.accelerator.prepare(drafter, optimizer)
         self.step = 0
+        self._epoch_order: tuple[int, list[int]] = (-1, [])  # (epoch, its order of train_idx)
         self.log_file = self.work / "train_log.jsonl"
         self.elapsed = 0.0
         self._resume()
@@ -284,8 +316,11 @@ class Trainer:
         s = self.settings.sequences_per_step
         per_epoch = max(1, len(self.train_idx) // s)
         epoch, slot = divmod(step, per_epoch)
-        perm = torch.randperm(len(self.train_idx), generator=torch.Generator().manual_seed(self.settings.seed * 1_000_003 + epoch))
-        picks = perm[slot * s : (slot + 1) * s].tolist()
+        if self._epoch_order[0] != epoch:
+            gen = torch.Generator().manual_seed(self.settings.seed * 1_000_003 + epoch)
+            lengths = [self.store.records[i].length for i in self.train_idx]
+            self._epoch_order = (epoch, length_grouped_order(lengths, s, self.settings.length_group_steps, gen))
+        picks = self._epoch_order[1][slot * s : (slot + 1) * s]
         mine = picks[self.rank :: self.world] or picks[:1]
         return [self.train_idx[i] for i in mine]
 
