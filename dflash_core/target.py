@@ -49,9 +49,15 @@ PREFILL_CHUNK = 512  # longest slice of a prompt FastTarget processes at once
 # a matrix-vector path that rounds differently, so 2 is the least; more padding costs a little
 # more compute per autoregressive step.
 MIN_ROWS_CANDIDATES = (2, 4, 8, 16)
-# Pass sizes the probe decodes a sequence in: single tokens (autoregressive steps), every size
-# up to a block of 16, and one longer pass (a prompt or a tree).
-PROBE_CHUNKS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 1, 37)
+# What the load probe decodes (FastTarget._probe_min_rows): a prompt in one pass, then the rest
+# in passes of every size up to a block of 16 (single tokens are autoregressive steps; blocks and
+# trees are verify passes), compared with the same positions decoded 16 at a time. The prompt's
+# pass is shared: greedy AR and DFlash run the same prefill, so only the passes after it must
+# agree (matrix kernels may take another path for a prompt's many rows: the AMX Xeon's oneDNN
+# bf16 kernels do above 32 rows, docs/BENCHMARKS.md).
+PROBE_PROMPT = 37
+PROBE_CHUNKS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 8)  # 144 = 9 blocks of 16
+PROBE_BLOCK = 16  # the widest pass the probe covers: the block size of every drafter we know
 
 
 @dataclass
@@ -329,31 +335,39 @@ class FastTarget:
         return why
 
     def _probe_min_rows(self) -> tuple[int, bool]:
-        """The fewest rows per pass (from ``MIN_ROWS_CANDIDATES``) with which decoding a sequence
-        in passes of every size in ``PROBE_CHUNKS`` gives, bit for bit, the logits of one pass
-        over the whole sequence; ``(smallest candidate, False)`` when none does.
+        """The fewest rows per pass (from ``MIN_ROWS_CANDIDATES``) with which, after a prompt's
+        pass, decoding in passes of every size in ``PROBE_CHUNKS`` gives, bit for bit, the
+        logits of decoding the same positions ``PROBE_BLOCK`` at a time; ``(smallest candidate,
+        False)`` when none does.
 
         Matrix kernels choose their code path (GEMV, register blocking, K split) from the number
         of rows, and which row counts share a path differs between CPUs (AMD / Intel, AVX2 /
         AVX-512 / AMX) and dtypes. Padding small passes to ``min_rows`` keeps them on the path
-        the larger passes take; the probe finds the padding that does so here."""
+        the larger passes take; the probe finds the padding that does so here. Every decode pass
+        of the engine (an autoregressive step, a verify block, a tree of up to ``PROBE_BLOCK``
+        nodes) is one of these sizes; the prompt's pass is the same in AR and DFlash."""
         chunks = list(PROBE_CHUNKS)
-        while sum(chunks) > self.max_positions and len(chunks) > 1:  # a model with a short context
+        while PROBE_PROMPT + sum(chunks) > self.max_positions and len(chunks) > 1:  # a short context
             chunks.pop()
+        prompt = max(1, min(PROBE_PROMPT, self.max_positions - sum(chunks)))
+        decoded = sum(chunks)
+        blocks = [PROBE_BLOCK] * (decoded // PROBE_BLOCK) + ([decoded % PROBE_BLOCK] if decoded % PROBE_BLOCK else [])
         generator = torch.Generator().manual_seed(0)
-        total = sum(chunks)
-        ids = torch.randint(0, self.vocab_size, (total,), generator=generator).to(self.device)
-        capacity = round_capacity(total)
-        for min_rows in MIN_ROWS_CANDIDATES:
-            self.min_rows = min_rows
+        ids = torch.randint(0, self.vocab_size, (prompt + decoded,), generator=generator).to(self.device)
+        capacity = round_capacity(prompt + decoded)
+
+        def decode(sizes: list[int]) -> torch.Tensor:
             self.reset(capacity)
-            whole = self.forward(ids, None).logits
-            self.reset(capacity)
-            pieces, start = [], 0
-            for size in chunks:
+            self.forward(ids[:prompt], None, last_only=True)
+            pieces, start = [], prompt
+            for size in sizes:
                 pieces.append(self.forward(ids[start : start + size], None).logits)
                 start += size
-            if torch.equal(torch.cat(pieces), whole):
+            return torch.cat(pieces)
+
+        for min_rows in MIN_ROWS_CANDIDATES:
+            self.min_rows = min_rows
+            if torch.equal(decode(chunks), decode(blocks)):
                 self.reset(capacity)
                 return min_rows, True
         self.reset(capacity)
