@@ -41,6 +41,10 @@ KERNELS = ("onednn", "aoti")
 # Register blocking of the C++ GEMM along the output features (vector widths x register tiles);
 # which one a kernel uses is found by a probe when it is built.
 BLOCK_CANDIDATES = (24, 16, 32, 8, 48, 64)
+# Rows of the inner dimension interleaved within a block: 1 on AVX2 / AVX-512; on AMX the GEMM
+# reads its weight in VNNI layout (pairs of K for bf16 tiles, fours for int8 ones), also found by
+# the probe.
+VNNI_CANDIDATES = (1, 2, 4)
 BUILD_LOCK = threading.Lock()
 
 
@@ -126,10 +130,20 @@ def _close(got: torch.Tensor, want: torch.Tensor, kind: str) -> bool:
     return bool((got - want).norm() <= 1e-2 * want.norm())
 
 
-def blocked(weight: torch.Tensor, block: int) -> torch.Tensor:
-    """``weight`` (N, K) in the C++ GEMM's layout: (N / block, K, block), output features inner."""
+def blocked(weight: torch.Tensor, block: int, vnni: int = 1) -> torch.Tensor:
+    """``weight`` (N, K) in the C++ GEMM's layout: (N / block, K, block), output features inner,
+    and with ``vnni`` > 1 each run of ``vnni`` rows of K interleaved (AMX's VNNI layout)."""
     n, k = weight.shape
-    return weight.reshape(n // block, block, k).transpose(1, 2).contiguous()
+    out = weight.reshape(n // block, block, k).transpose(1, 2)  # (N / block, K, block)
+    if vnni > 1:
+        out = out.reshape(n // block, k // vnni, vnni, block).transpose(2, 3)  # (N / block, K / vnni, block, vnni)
+    return out.contiguous().reshape(n // block, k, block)
+
+
+def layouts(out_features: int, in_features: int) -> list[tuple[int, int]]:
+    """The (block, vnni) layouts a kernel of this shape may read its weight in, likeliest first."""
+    return [(block, vnni) for vnni in VNNI_CANDIDATES for block in BLOCK_CANDIDATES
+            if out_features % block == 0 and in_features % vnni == 0]
 
 
 def load_runner(library: Path):
@@ -200,10 +214,8 @@ def _build(out_features: int, in_features: int, kind: str, library: Path) -> dic
         probe = probe_rows(in_features, rows_dtype)
         truth = (F.linear(probe.float(), weight.float() * scales.float()[:, None]) if scales is not None
                  else F.linear(probe, weight))
-        for block in BLOCK_CANDIDATES:
-            if out_features % block:
-                continue
-            packed = blocked(weight, block)
+        for block, vnni in layouts(out_features, in_features):
+            packed = blocked(weight, block, vnni)
             try:
                 swap_in(runner, {weight_names[0]: packed, **({scales_name: scales} if scales_name else {})})
                 with torch.inference_mode():
@@ -211,9 +223,9 @@ def _build(out_features: int, in_features: int, kind: str, library: Path) -> dic
             except RuntimeError:
                 continue
             if close:
-                return install(staged, library, {"constant": weight_names[0], "block": block,
+                return install(staged, library, {"constant": weight_names[0], "block": block, "vnni": vnni,
                                                  **({"scales": scales_name} if scales_name else {})})
-    raise RuntimeError(f"none of the blocked layouts {BLOCK_CANDIDATES} gives the kernel's products")
+    raise RuntimeError(f"none of the blocked layouts {layouts(out_features, in_features)} gives the kernel's products")
 
 
 def kernel_library(out_features: int, in_features: int, kind: str = "float32") -> tuple[Path, dict]:
@@ -232,7 +244,7 @@ class AotiLinear:
     def __init__(self, weight: torch.Tensor, library: Path, meta: dict) -> None:
         self.weight = weight
         self.bias = None
-        self.packed_weight = blocked(weight, meta["block"])  # the runner reads it in place
+        self.packed_weight = blocked(weight, meta["block"], meta.get("vnni", 1))  # the runner reads it in place
         self.runner = load_runner(library)
         swap_in(self.runner, {meta["constant"]: self.packed_weight})
 
@@ -250,7 +262,7 @@ class AotiInt8Weight:
 
     def __init__(self, q: torch.Tensor, scales: torch.Tensor, library: Path, meta: dict) -> None:
         self.shape = tuple(q.shape)
-        self.packed_weight = blocked(q, meta["block"])  # the runner reads both in place
+        self.packed_weight = blocked(q, meta["block"], meta.get("vnni", 1))  # the runner reads both in place
         self.scales = scales.to(INT8_ROWS).contiguous()
         self.runner = load_runner(library)
         swap_in(self.runner, {meta["constant"]: self.packed_weight, meta["scales"]: self.scales})

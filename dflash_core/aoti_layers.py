@@ -31,7 +31,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .aoti_kernels import INT8_ROWS, blocked, cached, compile_shared_object, install, kernel_dir, load_runner, swap_in
+from .aoti_kernels import (INT8_ROWS, VNNI_CANDIDATES, blocked, cached, compile_shared_object, install, kernel_dir,
+                           load_runner, swap_in)
 from .families import FusedLayer
 from .kernels import probe_rows
 
@@ -176,7 +177,8 @@ def _assign(spec: LayerSpec, half: str, declared: dict[str, tuple[int, ...]], fq
 
 
 def _constants(plan: list[dict], params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {c["name"]: (params[c["source"]] if c["block"] is None else blocked(params[c["source"]], c["block"]))
+    return {c["name"]: (params[c["source"]] if c["block"] is None
+                        else blocked(params[c["source"]], c["block"], c.get("vnni", 1)))
             for c in plan}
 
 
@@ -209,16 +211,24 @@ def _build(spec: LayerSpec, half: str, library: Path) -> dict:
         staged, source = compile_shared_object(module, _example(spec, half, 2), Path(folder), library.name)
         runner = load_runner(staged)
         plan = _assign(spec, half, _constants_of(source), dict(runner.get_constant_names_to_original_fqns()))
-        # The plan proven on random weights against the eager half.
+        # The plan proven on random weights against the eager half, with the matrices' rows of K
+        # interleaved as the GEMM reads them (``aoti_kernels.VNNI_CANDIDATES``: AMX's VNNI layout).
         generator = torch.Generator().manual_seed(0)
-        swap_in(runner, _constants(plan, _random_params(module, generator)))
+        params = _random_params(module, generator)
         example = _example(spec, half, 5, generator)
         with torch.inference_mode():
-            got, want = runner.run(list(example)), module(*example)
+            want = module(*example)
         want = want if isinstance(want, tuple) else (want,)
-        if len(got) != len(want) or not all(_close(g, w, spec.kind) for g, w in zip(got, want)):
-            raise RuntimeError("the compiled layer's results are not the eager layer's")
-        return install(staged, library, {"spec": asdict(spec), "constants": plan})
+        for vnni in VNNI_CANDIDATES:
+            plan = [{**c, "vnni": vnni} if c["block"] is not None else c for c in plan]
+            if any(c["block"] is not None and params[c["source"]].shape[1] % vnni for c in plan):
+                continue
+            swap_in(runner, _constants(plan, params))
+            with torch.inference_mode():
+                got = runner.run(list(example))
+            if len(got) == len(want) and all(_close(g, w, spec.kind) for g, w in zip(got, want)):
+                return install(staged, library, {"spec": asdict(spec), "constants": plan})
+        raise RuntimeError("the compiled layer's results are not the eager layer's")
 
 
 def layer_library(spec: LayerSpec, half: str) -> tuple[Path, dict]:

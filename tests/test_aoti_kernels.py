@@ -52,6 +52,20 @@ def test_blocked_layout_puts_output_features_innermost():
     assert all(packed[i, k, j] == weight[i * 24 + j, k] for i in range(2) for k in range(5) for j in range(24))
 
 
+def test_vnni_layout_interleaves_runs_of_the_inner_dimension_within_a_block():
+    """AMX reads its weight tiles in VNNI layout: within a block, K in runs of ``vnni`` rows, each
+    output feature's run contiguous (what inductor's pack_vnni_weight produces)."""
+    weight = torch.arange(32 * 8, dtype=torch.float32).reshape(32, 8)
+    for vnni in (2, 4):
+        packed = aoti_kernels.blocked(weight, 16, vnni)
+        assert packed.shape == (2, 8, 16)
+        flat = packed.reshape(2, 8 // vnni, 16, vnni)
+        assert all(flat[i, r, j, t] == weight[i * 16 + j, r * vnni + t]
+                   for i in range(2) for r in range(8 // vnni) for j in range(16) for t in range(vnni))
+    assert torch.equal(aoti_kernels.blocked(weight, 16, 1), aoti_kernels.blocked(weight, 16))
+    assert (16, 4) in aoti_kernels.layouts(32, 8) and (16, 4) not in aoti_kernels.layouts(32, 6)
+
+
 def test_a_failed_build_falls_back_to_onednn_and_says_why(monkeypatch, kernel_cache):
     def broken(*args, **kwargs):
         raise RuntimeError("no compiler today")
