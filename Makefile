@@ -78,13 +78,19 @@ test-fast: setup
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow and not browser"
 
 # The bench's peers outside our engine (the `peers` extra: llama-cpp-python). No wheel fits this
-# machine, so pip builds llama.cpp from source once (minutes on 2 cores), tuned to this CPU.
+# machine, so pip builds llama.cpp from source once (minutes on 2 cores), never from pip's wheel
+# cache (which does not know the flags), tuned to this CPU but for AMX: on the AMX Xeon,
+# llama.cpp's AMX kernels die of an illegal instruction on a prompt's multi-token batch
+# (llama.cpp #20824), so they are compiled out (GCC lets -mno-amx-* override -march=native
+# whatever their order; on other CPUs they change nothing). To rebuild an older build:
+# `.venv/bin/pip uninstall -y llama-cpp-python && rm .venv/.peers-stamp && make peers`.
 PEERS_STAMP := $(VENV)/.peers-stamp
+PEERS_CFLAGS := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
 peers: $(PEERS_STAMP)
 
 $(PEERS_STAMP): $(SETUP_STAMP) pyproject.toml
-	CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
-	  $(PIP) install -e '.[peers]'
+	CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DCMAKE_C_FLAGS='$(PEERS_CFLAGS)' -DCMAKE_CXX_FLAGS='$(PEERS_CFLAGS)'" \
+	  CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PIP) install --no-cache-dir -e '.[peers]'
 	touch $@
 
 bench: setup peers
