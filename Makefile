@@ -29,16 +29,19 @@ PROMPT_SOURCES ?= runs/prompt-sources
 
 .PHONY: setup browser demo test test-fast peers bench benchmarks gen-data prompts train-bundled train-bundled-fresh clean
 
-# The bundled drafter's recipe from nothing (train-bundled-fresh: about 2.4 hours on 2 idle CPU cores, measured;
-# resumable) and its budgets; gen-data takes GEN_MINUTES per run.
+# The recipe from nothing (train-bundled-fresh, the previous bundled drafter's: about 2.4 hours on 2 idle CPU
+# cores, measured; resumable) and its budgets; gen-data takes GEN_MINUTES per run.
 # GEN_MINUTES=90 TRAIN_STEPS=4800 (fresh) is the longer run of docs/TRAINING.md (about 4 hours).
 GEN_MINUTES ?= 50
 TRAIN_STEPS ?= 3000
 # Where the stages keep their data; a used work directory is resumed, so start a fresh one to
 # rebuild from nothing.
 TRAIN_WORK ?= runs/smollm2
-# Where the drafter is exported (a trial run can go elsewhere and replace the bundled one later).
+# Where the drafter is exported: train-bundled replaces the bundled one; the from-nothing recipe
+# (2 layers, a seventh of the data) exports into its work directory, so it never overwrites the
+# better bundled drafter unless asked (FRESH_OUT=assets/drafters/smollm2-135m-dflash).
 TRAIN_OUT ?= assets/drafters/smollm2-135m-dflash
+FRESH_OUT ?= $(TRAIN_WORK)/drafter
 # The drafter's fit, shared by the recipe from nothing and the one from committed shards.
 # The target layers the features stage caches (the drafter's five and the last, for the regression term).
 FEATURE_LAYERS := 1,8,15,22,27,29
@@ -46,11 +49,11 @@ FEATURE_LAYERS := 1,8,15,22,27,29
 # with a seventh of the data, keeps its 2 (docs/TRAINING.md).
 SHARD_LAYERS ?= 3
 FRESH_LAYERS ?= 2
-FIT_ARGS := --pair smollm2-135m --out $(TRAIN_OUT) --feature-layers $(FEATURE_LAYERS) \
+FIT_ARGS := --pair smollm2-135m --feature-layers $(FEATURE_LAYERS) \
 	--mask-token-id 7 --target-layer-ids 1,8,15,22,27 --init target --reg-weight 1.0 \
 	--block-schedule 4:0.45,8:0.25,16:0.3 --sequences-per-step 8 --anchors-per-sequence 32 --steps $(TRAIN_STEPS) \
 	--eval-prompts 20
-TRAIN_ARGS := $(FIT_ARGS) --num-layers $(FRESH_LAYERS) --work-dir $(TRAIN_WORK) --prompts assets/data/train_prompts.jsonl.gz --gen-minutes $(GEN_MINUTES)
+TRAIN_ARGS := $(FIT_ARGS) --num-layers $(FRESH_LAYERS) --out $(FRESH_OUT) --work-dir $(TRAIN_WORK) --prompts assets/data/train_prompts.jsonl.gz --gen-minutes $(GEN_MINUTES)
 
 setup: $(SETUP_STAMP)
 
@@ -137,7 +140,7 @@ prompts: setup
 	PYTHONHASHSEED=0 $(PY) -W ignore -m dflash_core.training.prompt_sources --append assets/data/train_prompts.jsonl.gz --sources $(PROMPT_SOURCES)
 
 train-bundled: setup
-	$(PY) -m dflash_core train $(FIT_ARGS) --num-layers $(SHARD_LAYERS) --work-dir $(SHARD_WORK) --shards $(DATA_DIR) \
+	$(PY) -m dflash_core train $(FIT_ARGS) --num-layers $(SHARD_LAYERS) --out $(TRAIN_OUT) --work-dir $(SHARD_WORK) --shards $(DATA_DIR) \
 	  --stages features,fit,export,evaluate
 
 # The from-nothing recipe (prompts, generate, features, fit, export, evaluate in one work directory).

@@ -32,7 +32,8 @@ from dflash_core.training.shards import read_samples
 from dflash_core.training.trainer import Trainer, TrainSettings
 
 FEATURE_LAYERS = [1, 8, 15, 22, 27, 29]
-# The Makefile's FIT_ARGS (what `make train-bundled` fits), but for the step count.
+# The Makefile's FIT_ARGS with 2 layers (train-bundled-fresh's fit), but for the step count;
+# `make train-bundled` fits the three_layers arm.
 RECIPE: dict[str, Any] = {
     "num_layers": 2, "target_layer_ids": [1, 8, 15, 22, 27], "mask_token_id": 7, "init": "target",
     "reg_weight": 1.0, "block_schedule": "4:0.45,8:0.25,16:0.3", "sequences_per_step": 8, "anchors_per_sequence": 32,

@@ -74,9 +74,9 @@ def settings_for(args: argparse.Namespace, num_target_layers: int):  # -> (Train
                                  anchors_per_sequence=4, sequences_per_step=2, sub_vocab=256, negatives=256,
                                  eval_every=5, eval_sequences=2, validation_percent=10)
         return settings, layers
-    # The bundled drafter's shape (Makefile FIT_ARGS), with more sequences per step: a GPU step
-    # costs little more for 32 sequences than for 8.
-    settings = TrainSettings(num_layers=2, target_layer_ids=[1, 8, 15, 22, 27], mask_token_id=7, init="target",
+    # The bundled drafter's shape (Makefile FIT_ARGS, 3 layers as `make train-bundled`), with more
+    # sequences per step: a GPU step costs little more for 32 sequences than for 8.
+    settings = TrainSettings(num_layers=3, target_layer_ids=[1, 8, 15, 22, 27], mask_token_id=7, init="target",
                              reg_weight=1.0, block_schedule="4:0.45,8:0.25,16:0.3",
                              sequences_per_step=args.sequences_per_step, anchors_per_sequence=32, eval_every=100)
     return settings, [1, 8, 15, 22, 27, num_target_layers - 1]
