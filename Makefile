@@ -51,9 +51,9 @@ SHARD_LAYERS ?= 3
 FRESH_LAYERS ?= 2
 FIT_ARGS := --pair smollm2-135m --feature-layers $(FEATURE_LAYERS) \
 	--mask-token-id 7 --target-layer-ids 1,8,15,22,27 --init target --reg-weight 1.0 \
-	--block-schedule 4:0.45,8:0.25,16:0.3 --sequences-per-step 8 --anchors-per-sequence 32 --steps $(TRAIN_STEPS) \
+	--block-schedule 4:0.45,8:0.25,16:0.3 --sequences-per-step 8 --anchors-per-sequence 32 \
 	--eval-prompts 20
-TRAIN_ARGS := $(FIT_ARGS) --num-layers $(FRESH_LAYERS) --out $(FRESH_OUT) --work-dir $(TRAIN_WORK) --prompts assets/data/train_prompts.jsonl.gz --gen-minutes $(GEN_MINUTES)
+TRAIN_ARGS := $(FIT_ARGS) --steps $(TRAIN_STEPS) --num-layers $(FRESH_LAYERS) --out $(FRESH_OUT) --work-dir $(TRAIN_WORK) --prompts assets/data/train_prompts.jsonl.gz --gen-minutes $(GEN_MINUTES)
 
 setup: $(SETUP_STAMP)
 
@@ -139,9 +139,17 @@ prompts: setup
 	cd $(PROMPT_SOURCES) && apt-get download $(PROMPT_DEBIAN_PACKAGES) && for deb in *.deb; do dpkg -x $$deb debian; done
 	PYTHONHASHSEED=0 $(PY) -W ignore -m dflash_core.training.prompt_sources --append assets/data/train_prompts.jsonl.gz --sources $(PROMPT_SOURCES)
 
+# The bundled drafter's fit runs in two legs (docs/TRAINING.md): a whole schedule of SHARD_FIRST_STEPS
+# steps, then resumed on one of SHARD_STEPS (the learning rate restarts at that schedule's value at
+# the step reached; the data goes on where the first leg stopped). Each leg resumes where it was
+# stopped; SHARD_FIRST_STEPS=$(SHARD_STEPS) makes it one leg.
+SHARD_FIRST_STEPS ?= 3000
+SHARD_STEPS ?= 6000
+SHARD_ARGS = $(FIT_ARGS) --num-layers $(SHARD_LAYERS) --out $(TRAIN_OUT) --work-dir $(SHARD_WORK) --shards $(DATA_DIR)
+
 train-bundled: setup
-	$(PY) -m dflash_core train $(FIT_ARGS) --num-layers $(SHARD_LAYERS) --out $(TRAIN_OUT) --work-dir $(SHARD_WORK) --shards $(DATA_DIR) \
-	  --stages features,fit,export,evaluate
+	$(PY) -m dflash_core train $(SHARD_ARGS) --steps $(SHARD_FIRST_STEPS) --stages features,fit
+	$(PY) -m dflash_core train $(SHARD_ARGS) --steps $(SHARD_STEPS) --stages fit,export,evaluate
 
 # The from-nothing recipe (prompts, generate, features, fit, export, evaluate in one work directory).
 train-bundled-fresh: setup
