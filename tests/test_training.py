@@ -17,7 +17,7 @@ from dflash_core.training.errors import TrainingError
 from dflash_core.training.features import FeatureStore, build_feature_cache
 from dflash_core.training.objective import fused_linear_cross_entropy, make_batch, naive_training_mask, training_mask
 from dflash_core.training.selfdistill import Sample
-from dflash_core.training.trainer import Trainer, TrainSettings, length_grouped_order
+from dflash_core.training.trainer import Trainer, TrainSettings, block_phase, cosine_lr, length_grouped_order
 
 
 def test_training_mask_is_exactly_the_per_block_construction():
@@ -269,6 +269,26 @@ def test_resuming_from_a_checkpoint_continues_the_same_run(tiny_setup, tmp_path)
     a = straight.unwrapped().state_dict()
     b = resumed.unwrapped().state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_finished_fit_resumed_on_a_longer_schedule_goes_on_where_it_stopped(tiny_setup, tmp_path):
+    # `make train-bundled`'s second leg: the step count is free on resume, so a finished fit goes
+    # on from its last step with the longer schedule's learning rate and curriculum, and its data
+    # continues the same order (the sequences a step takes do not depend on the step count).
+    schedule = dict(block_schedule="4:0.5,8:0.5", warmup_fraction=0.1)
+    first = make_trainer(tiny_setup, tmp_path / "legs", steps=6, **schedule)
+    first.run(progress=False)
+    last_lr = json.loads(first.log_file.read_text().splitlines()[-1])["lr"]
+    second = make_trainer(tiny_setup, tmp_path / "legs", steps=12, **schedule)
+    assert second.step == 6
+    second.run(progress=False)
+    records = [json.loads(line) for line in second.log_file.read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 13))
+    for r in records[6:]:  # logged after the step: step k ran at cosine_lr(k - 1)
+        assert r["lr"] == pytest.approx(cosine_lr(r["step"] - 1, second.settings), abs=1e-5)
+        assert r["block"] == block_phase(r["step"] - 1, second.settings)[0]
+    assert records[6]["lr"] > 2 * last_lr  # the learning rate restarts from the short schedule's floor
+    assert [second._sequences_for_step(k) for k in range(6, 12)] == [first._sequences_for_step(k) for k in range(6, 12)]
 
 
 def test_training_is_deterministic_given_a_seed(tiny_setup, tmp_path):
