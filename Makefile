@@ -142,7 +142,7 @@ prompts: setup
 # The bundled drafter's fit runs in two legs (docs/TRAINING.md): a whole schedule of SHARD_FIRST_STEPS
 # steps, then resumed on one of SHARD_STEPS (the learning rate restarts at that schedule's value at
 # the step reached; the data goes on where the first leg stopped). Each leg resumes where it was
-# stopped; SHARD_FIRST_STEPS=$(SHARD_STEPS) makes it one leg.
+# stopped; SHARD_FIRST_STEPS equal to SHARD_STEPS makes it one leg.
 SHARD_FIRST_STEPS ?= 3000
 SHARD_STEPS ?= 6000
 SHARD_ARGS = $(FIT_ARGS) --num-layers $(SHARD_LAYERS) --out $(TRAIN_OUT) --work-dir $(SHARD_WORK) --shards $(DATA_DIR)
