@@ -433,3 +433,36 @@ def assert_same_logits(runner, reference, prompt: list[int], tolerance: float) -
         r.reset(64)
     got, want = runner.forward(ids, None).logits, reference.forward(ids, None).logits
     assert (got - want).norm() <= tolerance * want.norm(), float((got - want).norm() / want.norm())
+
+
+def random_tree(seed: int, budget: int = 12, slots: int = 6, k: int = 4):
+    """A draft tree of ``budget + 1`` nodes over token ids 4..89, from random drafter choices."""
+    from dflash_core.tree import build_tree
+
+    g = torch.Generator().manual_seed(seed)
+    probs = torch.rand(slots, k, generator=g).sort(descending=True).values.tolist()
+    tokens = torch.randint(4, 90, (slots, k), generator=g).tolist()
+    return build_tree(60, probs, tokens, budget)
+
+
+def assert_tree_nodes_are_their_paths(runner, prompt: list[int], seeds=range(3), layer_ids=(0, 2)) -> None:
+    """``runner.forward_tree`` scores every node of depth-first random trees after ``prompt`` as
+    decoding its path token by token does: bit for bit where the runner's probe found its rows
+    independent of their company (``batch_invariant``), else within rounding."""
+    from dflash_core.tree import depth_first
+
+    for seed in seeds:
+        tree = depth_first(random_tree(seed))
+        runner.reset(64)
+        runner.forward(torch.tensor(prompt), None)
+        out = runner.forward_tree(tree, list(layer_ids))
+        for node in range(len(tree)):
+            runner.reset(64)
+            runner.forward(torch.tensor(prompt), None)
+            for n in tree.path(node):
+                ref = runner.forward(torch.tensor([tree.tokens[n]]), list(layer_ids))
+            if runner.batch_invariant:
+                assert torch.equal(ref.logits[-1], out.logits[node]), (seed, node)
+                assert torch.equal(ref.features[-1], out.features[node]), (seed, node)
+            else:
+                torch.testing.assert_close(ref.logits[-1], out.logits[node], rtol=0, atol=1e-4)

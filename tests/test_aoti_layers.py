@@ -8,9 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_core import aoti_kernels, aoti_layers
+from dflash_core import aoti_kernels, aoti_layers, tree_attention
 from dflash_core.target import FastTarget
-from dflash_core.testing import PROMPTS, assert_greedy_lossless, assert_same_logits, tiny_target, two_shape_llama
+from dflash_core.testing import (PROMPTS, assert_greedy_lossless, assert_same_logits, assert_tree_nodes_are_their_paths, tiny_target,
+                                 two_shape_llama)
 
 pytestmark = pytest.mark.skipif(not aoti_kernels.available(), reason="no C++ compiler or AOTInductor here")
 
@@ -67,7 +68,7 @@ def test_a_failed_layer_build_falls_back_to_the_matrices_and_says_why(monkeypatc
 
 @pytest.mark.slow
 @pytest.mark.parametrize("weights", ["bf16", "int8"])
-def test_compiled_layers_are_the_eager_ones_and_lossless(weights, kernel_cache):
+def test_compiled_layers_are_the_eager_ones_and_lossless(weights, kernel_cache, monkeypatch):
     model = two_shape_llama()
     runner = FastTarget(model, weights=weights, kernels="aoti")
     kind = "float32" if weights == "bf16" else "int8"
@@ -88,6 +89,11 @@ def test_compiled_layers_are_the_eager_ones_and_lossless(weights, kernel_cache):
     if eager.weight_format == runner.weight_format:
         assert_same_logits(runner, eager, PROMPTS[0], 1e-4 if kind == "float32" else 2e-2)
     assert_greedy_lossless(runner, model)
+    # The tree pass (the fastest variant's) runs the compiled halves too: each node's numbers are
+    # its path's, decoded token by token, with per-path value copies and with paths in turn.
+    assert_tree_nodes_are_their_paths(runner, PROMPTS[0][:-1], seeds=range(2))
+    monkeypatch.setattr(tree_attention, "REPLICA_BYTES", 0)
+    assert_tree_nodes_are_their_paths(runner, PROMPTS[0][:-1], seeds=range(2))
     # A second target loads the built kernels: nothing is rebuilt.
     stamps = {p: p.stat().st_mtime_ns for p in kernel_cache.rglob("layer-*.so")}
     again = FastTarget(model, weights=weights, kernels="aoti")

@@ -9,15 +9,9 @@ import torch
 from dflash_core.errors import SettingsError
 from dflash_core.speculative import GenerationConfig, collect, stream
 from dflash_core.target import FastTarget, HFTarget
-from dflash_core.testing import PROMPTS, OracleDrafter, tiny_drafter, tiny_target
+from dflash_core.testing import (PROMPTS, OracleDrafter, assert_tree_nodes_are_their_paths, random_tree, tiny_drafter,
+                                 tiny_target)
 from dflash_core.tree import DraftTree, build_tree, depth_first, walk
-
-
-def random_tree(seed: int, budget: int = 12, slots: int = 6, k: int = 4) -> DraftTree:
-    g = torch.Generator().manual_seed(seed)
-    probs = torch.rand(slots, k, generator=g).sort(descending=True).values.tolist()
-    tokens = torch.randint(4, 90, (slots, k), generator=g).tolist()
-    return build_tree(60, probs, tokens, budget)
 
 
 def test_build_tree_keeps_the_best_scored_nodes_parents_first():
@@ -66,21 +60,9 @@ def test_a_tree_pass_scores_every_node_as_decoding_its_path_does(family, dtype, 
     model = tiny_target(family, dtype=dtype)
     runner = FastTarget(model)
     prompt = PROMPTS[0]
+    assert_tree_nodes_are_their_paths(runner, prompt[:-1])
     for seed in range(3):
         tree = depth_first(random_tree(seed))
-        runner.reset(64)
-        runner.forward(torch.tensor(prompt[:-1]), None)
-        out = runner.forward_tree(tree, [0, 2])
-        for node in range(len(tree)):
-            runner.reset(64)
-            runner.forward(torch.tensor(prompt[:-1]), None)
-            for n in tree.path(node):
-                ref = runner.forward(torch.tensor([tree.tokens[n]]), [0, 2])
-            if runner.batch_invariant:  # this machine's kernels allow bit for bit: the tree gives it
-                assert torch.equal(ref.logits[-1], out.logits[node]), (seed, node)
-                assert torch.equal(ref.features[-1], out.features[node]), (seed, node)
-            else:  # the probe found kernels that round a row by its pass's size: within rounding
-                torch.testing.assert_close(ref.logits[-1], out.logits[node], rtol=0, atol=1e-4)
         # Keeping a path leaves the cache as if that path had been decoded token by token.
         leaf = max(range(len(tree)), key=lambda n: tree.depths[n] + n / 100)
         runner.reset(64)
