@@ -157,18 +157,21 @@ def swap_in(runner, constants: dict[str, torch.Tensor]) -> None:
     runner.update_constant_buffer(constants, False, True, True)
 
 
-def compile_shared_object(module: torch.nn.Module, example: tuple, folder: Path, name: str) -> tuple[Path, str]:
+def compile_shared_object(module: torch.nn.Module, example: tuple, folder: Path, name: str,
+                          dynamic_shapes: tuple | None = None, configs: dict | None = None) -> tuple[Path, str]:
     """``module`` compiled by AOTInductor (inductor's C++ GEMMs, max-autotune, frozen weights left
-    out of the object), dimension 0 of every input (the rows) dynamic: the shared object, staged in
-    ``folder`` as ``name``, and the generated C++ source (it declares the constants' shapes)."""
+    out of the object; ``configs`` overrides), dimension 0 of every input (the rows) dynamic unless
+    ``dynamic_shapes`` says otherwise: the shared object, staged in ``folder`` as ``name``, and the
+    generated C++ source (it declares the constants' shapes)."""
     import torch._inductor  # seconds to import: only when a kernel is built
 
     rows = torch.export.Dim("rows", min=1, max=1 << 16)
     configs = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP",
-               "aot_inductor.package_constants_in_so": False}
+               "aot_inductor.package_constants_in_so": False, **(configs or {})}
     package = folder / "package.pt2"
     with torch.no_grad():
-        program = torch.export.export(module, example, dynamic_shapes=tuple({0: rows} for _ in example))
+        shapes = dynamic_shapes if dynamic_shapes is not None else tuple({0: rows} for _ in example)
+        program = torch.export.export(module, example, dynamic_shapes=shapes)
         torch._inductor.aoti_compile_and_package(program, package_path=str(package), inductor_configs=configs)
     with zipfile.ZipFile(package) as archive:
         members = [m for m in archive.namelist() if m.endswith(".so")]

@@ -34,6 +34,7 @@ from typing import Protocol, Sequence
 import torch
 import torch.nn.functional as F
 
+from .aoti_attention import eager_attention
 from .aoti_kernels import KERNELS
 from . import cuda_graphs
 from .aoti_layers import CompiledLayer
@@ -259,6 +260,7 @@ class FastTarget:
         # The kernels the full-precision matrices run on (``kernels``; see aoti_kernels.py).
         self.kernels, self.kernel_note = "onednn", "oneDNN"
         self.compiled_layers = False  # whether the layers run aoti_layers' whole-half kernels
+        self.attention = None  # aoti_attention's kernel, beside compiled layers; None: eager_attention
         onednn_layers, onednn_head = self.layers, self._lm_head
         if kernels == "aoti":
             self.kernels, self.kernel_note = self._use_aoti()
@@ -268,7 +270,7 @@ class FastTarget:
         self.min_rows, self.batch_invariant = self._probe_min_rows()
         if self.kernels == "aoti" and not self.batch_invariant:
             self.layers, self._lm_head, self.kernels = onednn_layers, onednn_head, "onednn"
-            self.compiled_layers = False
+            self.compiled_layers, self.attention = False, None
             self.kernel_note = ("asked for aoti, running oneDNN: with its kernels no padding made a position's "
                                 "logits independent of the size of its pass on this CPU")
             self.min_rows, self.batch_invariant = self._probe_min_rows()
@@ -285,7 +287,7 @@ class FastTarget:
         """Every matrix (the layers' and the LM head) through inductor's C++ GEMM where its probe
         allows (``aoti_kernels``): fp32 matrices as they are, the layers' int8 weight-only ones
         (``weights = "int8"``) through its int8 GEMM; returns (kernels, note)."""
-        from . import aoti_kernels, aoti_layers
+        from . import aoti_attention, aoti_kernels, aoti_layers
 
         if self.weight_format not in ("bf16", "int8"):
             return "onednn", f"asked for aoti, running oneDNN: the layers run {self.weight_format} kernels (no C++ GEMM for them)"
@@ -298,7 +300,10 @@ class FastTarget:
                                       "int8 through the int8 GEMM" if self.weight_format == "int8" else "through the C++ GEMM")
         if compiled is not None:
             self.layers, self.compiled_layers = compiled, True
-            return "aoti", f"{layers_note}; {head_note}"
+            self.attention, attention_note = aoti_attention.compiled_attention(self)
+            if self.attention is None:
+                attention_note = f"attention eager ({attention_note})"
+            return "aoti", f"{layers_note}; {attention_note}; {head_note}"
         refused: list[str] = []
 
         def swap(linear):
@@ -479,18 +484,17 @@ class FastTarget:
         is fixed by T, ``real`` and the cache's capacity: a CUDA graph captured once replays it at
         any position (``cuda_graphs.py``)."""
         cache = self.cache
-        t = ids.shape[0]
         keys, values = cache.k, cache.v
-        h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        group = h // kv
-        cap = cache.capacity
         new_rows = rows[:real]
         cos = self.cos[rows]  # (T, heads + kv_heads, D)
         sin = self.sin[rows]
-        # Causal mask over the whole cache: query at absolute position p sees keys 0..p. Every
-        # query row has the same length whatever T is -> identical arithmetic per position.
-        visible = torch.arange(cap, device=self.device)[None, :] <= rows[:, None]
-        hidden_mask = ~visible  # (T, cap)
+        attention = self.attention
+        if attention is None:
+            # Causal mask over the whole cache: query at absolute position p sees keys 0..p.
+            hidden_mask = ~(torch.arange(cache.capacity, device=self.device)[None, :] <= rows[:, None])  # (T, cap)
+
+            def attention(q, layer_keys, layer_values, rows):
+                return eager_attention(q, layer_keys, layer_values, rows, hidden_mask)
         wanted = {i: n for n, i in enumerate(layer_ids or ())}
         feats: list[torch.Tensor | None] = [None] * len(wanted)
 
@@ -499,13 +503,7 @@ class FastTarget:
             q, k, v = self.attention_inputs(layer, x, cos, sin)
             keys[li].index_copy_(1, new_rows, k[:real].transpose(0, 1))
             values[li].index_copy_(1, new_rows, v[:real].transpose(0, 1))
-            # (kv, group*T, d): the query heads that share a KV head, stacked.
-            qg = q.reshape(t, kv, group, d).permute(1, 2, 0, 3).reshape(kv, group * t, d)
-            scores = torch.matmul(qg, keys[li].transpose(1, 2))  # (kv, group*T, cap)
-            scores = scores.view(kv, group, t, cap).masked_fill(hidden_mask, float("-inf"))
-            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(self.dtype).view(kv, group * t, cap)
-            att = torch.matmul(probs, values[li])  # (kv, group*T, d)
-            x = self.finish_layer(layer, x, att.view(kv, group, t, d).permute(2, 0, 1, 3).reshape(t, h * d))
+            x = self.finish_layer(layer, x, attention(q, keys[li], values[li], rows))
             if li in wanted:
                 feats[wanted[li]] = x[:real]
         x = x[:real]

@@ -163,6 +163,21 @@ class OracleDrafter(DFlashDrafter):
         return out.to(hidden.dtype)
 
 
+class SecondChoiceDrafter(OracleDrafter):
+    """Knows the reference continuation but ranks it second at every third position (a decoy
+    first): a chain stops at the decoy, a tree finds the reference on its second branch."""
+
+    def logits(self, hidden, lm_head_weight):  # noqa: D102
+        positions = self._positions[1:].tolist()
+        out = torch.full((len(positions), lm_head_weight.shape[0]), -20.0)
+        for row, pos in enumerate(positions):
+            right = self.reference[pos] if pos < len(self.reference) else 0
+            out[row, right] = 5.0
+            if pos % 3 == 0:
+                out[row, (right + 1) % lm_head_weight.shape[0]] = 5.5
+        return out.to(hidden.dtype)
+
+
 class SometimesRightDrafter(OracleDrafter):
     """Proposes the reference continuation, except a wrong token at every position divisible by
     ``every``: drafts are accepted partway through blocks, so rollbacks keep every length."""
@@ -423,6 +438,22 @@ def assert_greedy_lossless(runner, model: torch.nn.Module, max_new_tokens: int =
             assert collect(stream(runner, drafter, prompt, cfg)).token_ids == ar.token_ids, block
             oracle = OracleDrafter(drafter, list(prompt) + ar.token_ids)
             assert collect(stream(runner, oracle, prompt, cfg)).token_ids == ar.token_ids, (block, "oracle")
+
+
+def assert_greedy_tree_lossless(runner, model: torch.nn.Module, max_new_tokens: int = 40) -> None:
+    """Greedy tree verification == greedy AR on ``runner`` for every prompt of ``PROMPTS`` at
+    block sizes 4 and 16, with a random drafter and with a decoy (``SecondChoiceDrafter``, whose
+    right tokens are on second branches: kept paths that are not the first)."""
+    from dflash_core.speculative import GenerationConfig, collect, stream
+
+    drafter = tiny_drafter(model, layers=1)
+    for prompt in PROMPTS:
+        ar = collect(stream(runner, None, prompt, GenerationConfig(max_new_tokens=max_new_tokens, block_size=1).validated(16)))
+        decoy = SecondChoiceDrafter(drafter, list(prompt) + ar.token_ids)
+        for block in (4, 16):
+            cfg = GenerationConfig(max_new_tokens=max_new_tokens, block_size=block, tree=True).validated(16)
+            for d in (drafter, decoy):
+                assert collect(stream(runner, d, prompt, cfg)).token_ids == ar.token_ids, (block, type(d).__name__)
 
 
 def assert_same_logits(runner, reference, prompt: list[int], tolerance: float) -> None:

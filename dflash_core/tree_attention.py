@@ -10,6 +10,10 @@ a time), so the cache span, the masking and the order of every sum are those of
 ``FastTarget.forward``. In bf16 every node's logits and features equal, bit for bit, those of
 decoding its path token by token, so greedy tree verification is exactly the target's greedy
 decoding (tested); in fp32 they agree within rounding, as a chain's do.
+
+Where the target's attention is one compiled kernel (``aoti_attention``), whose sums are rounded
+its own way, the tree calls that kernel as a chain does: path by path, each path's keys and values
+written into the cache at its depths, then the kernel on its rows at their positions.
 """
 
 from __future__ import annotations
@@ -80,12 +84,15 @@ class TreeAttention:
         cap = cache.capacity
         keys, cached_values = cache.k, cache.v
         replica_bytes = target.num_layers * paths * target.num_kv_heads * cap * target.head_dim * cached_values.element_size()
-        use_replicas = paths > 0 and replica_bytes <= REPLICA_BYTES
-        if paths and not use_replicas:
+        # With a compiled attention kernel (``aoti_attention``) every path takes its turn in the
+        # cache, keys and values both, and the kernel runs on its rows as on a chain's.
+        compiled = target.attention
+        use_replicas = compiled is None and paths > 0 and replica_bytes <= REPLICA_BYTES
+        if compiled is not None or (paths and not use_replicas):
             # Depth-first, path p's run [a, b) sits at depths depth(a)..; below depth(a) the path
             # before it left exactly p's ancestors in the cache.
             turns = []
-            for _, nodes in others:
+            for _, nodes in (groups if compiled is not None else others):
                 a, b = nodes[0], nodes[-1] + 1
                 first = max(0, min(a, b - min_rows))
                 turns.append((tree.depths[a], first, a, b, max(b, min(t, first + min_rows))))
@@ -112,11 +119,25 @@ class TreeAttention:
         gather = ancestors[None, :, None, :].expand(kv, t, group, real)
         wanted = {i: n for n, i in enumerate(layer_ids or ())}
         feats: list[torch.Tensor | None] = [None] * len(wanted)
-        tree_values = []
+        tree_keys, tree_values = [], []
 
         x = F.embedding(ids, target.embed_weight)
         for li, layer in enumerate(target.layers):
             q, k, v = target.attention_inputs(layer, x, cos, sin)
+            tree_keys.append(k[:real].transpose(0, 1))  # (kv, real, d), node order
+            tree_values.append(v[:real].transpose(0, 1))
+            if compiled is not None:
+                att = torch.empty(t, h * d, dtype=target.dtype, device=target.device)
+                for depth, lo, a, b, hi in turns:
+                    keys[li, :, start + depth : start + depth + b - a] = tree_keys[-1][:, a:b]
+                    cached_values[li, :, start + depth : start + depth + b - a] = tree_values[-1][:, a:b]
+                    att[a:b] = compiled(q[lo:hi], keys[li], cached_values[li], positions[lo:hi])[a - lo : b - lo]
+                if t > real:  # padding rows: copies of the last node
+                    att[real:] = att[real - 1 : real]
+                x = target.finish_layer(layer, x, att)
+                if li in wanted:
+                    feats[wanted[li]] = x[:real]
+                continue
             keys[li, :, start:end] = k[:real].transpose(0, 1)
             cached_values[li, :, start:end] = v[:real].transpose(0, 1)
             # Rows ordered (kv head, node, query head in the group): a run of nodes is then one
@@ -127,8 +148,7 @@ class TreeAttention:
             scores[..., start:end] = scores[..., start:end].gather(-1, gather)
             scores = scores.masked_fill(hidden_mask[:, None, :], float("-inf"))
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(target.dtype)
-            values = v[:real].transpose(0, 1)  # (kv, real, d), node order (what was written above)
-            tree_values.append(values)
+            values = tree_values[-1]  # (kv, real, d), node order (what was written above)
             first = torch.matmul(probs[:, :main].reshape(kv, main * group, cap), cached_values[li])
             first = first.view(kv, main, group, d).transpose(0, 1)  # (rows, kv, group, d)
             if not paths:  # a chain (with its padding rows, if any)
@@ -155,7 +175,7 @@ class TreeAttention:
             x = target.finish_layer(layer, x, att.reshape(t, h * d))
             if li in wanted:
                 feats[wanted[li]] = x[:real]
-        self._pending = (start, real, torch.stack(tree_values))
+        self._pending = (start, torch.stack(tree_keys), torch.stack(tree_values))
         cache.length = end
         features = torch.cat(feats, dim=-1) if feats else None
         return target.logits(x[:real]), features
@@ -182,9 +202,8 @@ class TreeAttention:
         """After ``forward``: keep the K/V of ``nodes`` (a root-first path) at consecutive
         positions, where autoregressive decoding of that path would have put them."""
         cache = self.target.cache
-        start, real, values = self._pending
+        start, keys, values = self._pending
         index = torch.tensor(list(nodes), device=cache.device)
-        keys = cache.k[:, :, start : start + real].clone()
         cache.k[:, :, start : start + len(nodes)] = keys[:, :, index]
         cache.v[:, :, start : start + len(nodes)] = values[:, :, index]
         cache.length = start + len(nodes)

@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_core import aoti_kernels, aoti_layers, tree_attention
+from dflash_core import aoti_attention, aoti_kernels, aoti_layers
 from dflash_core.target import FastTarget
-from dflash_core.testing import (PROMPTS, assert_greedy_lossless, assert_same_logits, assert_tree_nodes_are_their_paths, tiny_target,
-                                 two_shape_llama)
+from dflash_core.testing import (PROMPTS, assert_greedy_lossless, assert_greedy_tree_lossless, assert_same_logits,
+                                 assert_tree_nodes_are_their_paths, tiny_target, two_shape_llama)
 
 pytestmark = pytest.mark.skipif(not aoti_kernels.available(), reason="no C++ compiler or AOTInductor here")
 
@@ -76,7 +76,9 @@ def test_compiled_layers_are_the_eager_ones_and_lossless(weights, kernel_cache, 
         assert runner.kernel_note.startswith("asked for aoti, running oneDNN")
         return
     head = "through the C++ GEMM" if kind == "float32" else "int8 through the int8 GEMM"
-    assert runner.kernel_note == f"3 of 3 decoder layers compiled whole around attention ({kind} matrices); the LM head {head}"
+    assert runner.kernel_note == (f"3 of 3 decoder layers compiled whole around attention ({kind} matrices); "
+                                  f"attention compiled; the LM head {head}")
+    assert isinstance(runner.attention, aoti_attention.CompiledAttention)
     # The drafter reads the full-precision head whatever runs the target's.
     assert runner.lm_head_weight is model.lm_head.weight or torch.equal(runner.lm_head_weight, model.lm_head.weight)
     assert all(isinstance(layer, aoti_layers.CompiledLayer) for layer in runner.layers)
@@ -91,9 +93,9 @@ def test_compiled_layers_are_the_eager_ones_and_lossless(weights, kernel_cache, 
     assert_greedy_lossless(runner, model)
     # The tree pass (the fastest variant's) runs the compiled halves too: each node's numbers are
     # its path's, decoded token by token, with per-path value copies and with paths in turn.
-    assert_tree_nodes_are_their_paths(runner, PROMPTS[0][:-1], seeds=range(2))
-    monkeypatch.setattr(tree_attention, "REPLICA_BYTES", 0)
-    assert_tree_nodes_are_their_paths(runner, PROMPTS[0][:-1], seeds=range(2))
+    # With the compiled attention every path takes its turn in the cache.
+    assert_tree_nodes_are_their_paths(runner, PROMPTS[0][:-1], seeds=range(3))
+    assert_greedy_tree_lossless(runner, model)
     # A second target loads the built kernels: nothing is rebuilt.
     stamps = {p: p.stat().st_mtime_ns for p in kernel_cache.rglob("layer-*.so")}
     again = FastTarget(model, weights=weights, kernels="aoti")

@@ -9,8 +9,8 @@ import torch
 from dflash_core.errors import SettingsError
 from dflash_core.speculative import GenerationConfig, collect, stream
 from dflash_core.target import FastTarget, HFTarget
-from dflash_core.testing import (PROMPTS, OracleDrafter, assert_tree_nodes_are_their_paths, random_tree, tiny_drafter,
-                                 tiny_target)
+from dflash_core.testing import (PROMPTS, SecondChoiceDrafter, assert_tree_nodes_are_their_paths, random_tree,
+                                 tiny_drafter, tiny_target)
 from dflash_core.tree import DraftTree, build_tree, depth_first, walk
 
 
@@ -78,21 +78,6 @@ def test_a_tree_pass_scores_every_node_as_decoding_its_path_does(family, dtype, 
             assert torch.equal(after_path, after_tree)
         else:
             torch.testing.assert_close(after_path, after_tree, rtol=0, atol=1e-4)
-
-
-class SecondChoiceDrafter(OracleDrafter):
-    """Knows the reference continuation but ranks it second at every third position (a decoy
-    first): a chain stops at the decoy, a tree finds the reference on its second branch."""
-
-    def logits(self, hidden, lm_head_weight):  # noqa: D102
-        positions = self._positions[1:].tolist()
-        out = torch.full((len(positions), lm_head_weight.shape[0]), -20.0)
-        for row, pos in enumerate(positions):
-            right = self.reference[pos] if pos < len(self.reference) else 0
-            out[row, right] = 5.0
-            if pos % 3 == 0:
-                out[row, (right + 1) % lm_head_weight.shape[0]] = 5.5
-        return out.to(hidden.dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -1,0 +1,143 @@
+"""The target's attention compiled (AOTInductor), on CPU, beside the compiled layers.
+
+With ``kernels = "aoti"`` the two halves of every decoder layer run compiled (``aoti_layers``);
+between them, attention ran as a dozen eager PyTorch ops (the mask, two batched products, softmax,
+the reshapes), each dispatched from Python: on a 135M model with int8 matrices about a quarter of
+an autoregressive step. Here it is one kernel, (queries, one layer's cached keys and values, the
+queries' positions) -> attention output, the mask and softmax fused between the two products,
+built once per machine and head layout into the cache beside ``aoti_kernels``' and shared by all
+layers (it holds no weights).
+
+Its sums are rounded their own way (the fused softmax), so its results are the eager attention's
+only to rounding. What keeps decoding lossless is that every caller runs the same kernel on the
+same layout: a chain's pass over its positions (``FastTarget.positions_pass``), and a draft tree's
+pass path by path (``tree_attention``: each path written into the cache at its depths, then the
+kernel on its rows), so every node's arithmetic is the chain's. That holds only if a row's result
+does not depend on the rows beside it in a call: a probe checks that here (a lone row, and runs of
+rows, against the same rows in one call) and against the eager math, and FastTarget's min-rows
+probe then covers the whole pass; otherwise attention stays eager and the load log says why.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from .aoti_kernels import cached, compile_shared_object, install, kernel_dir, load_runner
+
+# Set to 0 to run attention eager between the compiled halves (to measure one against the other).
+SWITCH = "DFLASH_AOTI_ATTENTION"
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """What the kernel depends on besides the machine: the head layout (fp32 queries and cache)."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
+
+
+def eager_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor,
+                    hidden_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """``FastTarget.positions_pass``'s attention for one layer: queries ``q`` (T, heads, D),
+    already scaled, at cache positions ``rows`` (T,), each seeing the positions up to its own of
+    ``keys`` and ``values`` (kv_heads, capacity, D); returns (T, heads * D). ``hidden_mask`` (T,
+    capacity), True where a query may not look, is the same for every layer of a pass: the caller
+    may make it once."""
+    t, h, d = q.shape
+    kv, cap = keys.shape[0], keys.shape[1]
+    group = h // kv
+    if hidden_mask is None:
+        # Every query row spans the whole cache whatever T is -> identical arithmetic per position.
+        hidden_mask = ~(torch.arange(cap, device=q.device)[None, :] <= rows[:, None])
+    qg = q.reshape(t, kv, group, d).permute(1, 2, 0, 3).reshape(kv, group * t, d)
+    scores = torch.matmul(qg, keys.transpose(1, 2)).view(kv, group, t, cap).masked_fill(hidden_mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype).view(kv, group * t, cap)
+    att = torch.matmul(probs, values)
+    return att.view(kv, group, t, d).permute(2, 0, 1, 3).reshape(t, h * d)
+
+
+class _Attention(torch.nn.Module):
+    def forward(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        return eager_attention(q, keys, values, rows)
+
+
+def _example(spec: AttentionSpec, rows: int, capacity: int, generator: torch.Generator) -> tuple:
+    q = torch.randn(rows, spec.heads, spec.head_dim, generator=generator) * spec.head_dim**-0.5
+    keys = torch.randn(spec.kv_heads, capacity, spec.head_dim, generator=generator)
+    values = torch.randn(spec.kv_heads, capacity, spec.head_dim, generator=generator)
+    positions = torch.arange(capacity - rows - 3, capacity - 3)
+    return q, keys, values, positions
+
+
+def _build(spec: AttentionSpec, library: Path) -> dict:
+    rows = torch.export.Dim("rows", min=1, max=1 << 16)
+    capacity = torch.export.Dim("capacity", min=2, max=1 << 20)
+    example = _example(spec, 2, 64, torch.Generator().manual_seed(0))
+    with tempfile.TemporaryDirectory(dir=library.parent) as folder:
+        # The products stay ATen's batched matmuls (max-autotune's GEMM templates are for weights).
+        staged, _ = compile_shared_object(_Attention().eval(), example, Path(folder), library.name,
+                                          dynamic_shapes=({0: rows}, {1: capacity}, {1: capacity}, {0: rows}),
+                                          configs={"max_autotune": False})
+        return install(staged, library, {"spec": asdict(spec)})
+
+
+def attention_library(spec: AttentionSpec) -> tuple[Path, dict]:
+    """The compiled attention for ``spec``, built here first if the cache lacks it."""
+    library = kernel_dir() / f"attention-float32-{spec.digest()}.so"
+    return cached(library, lambda path: _build(spec, path))
+
+
+class CompiledAttention:
+    """``eager_attention`` through the compiled kernel (to rounding; see the module's docstring)."""
+
+    def __init__(self, library: Path) -> None:
+        self.runner = load_runner(library)
+
+    def __call__(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        return self.runner.run([q.contiguous(), keys, values, rows.contiguous()])[0]
+
+
+def exact_here(attention, spec: AttentionSpec) -> str | None:
+    """Why ``attention`` may not replace the eager attention here (None when it may): its results
+    must be the eager ones to fp32 rounding, and each row's must not change with the rows beside
+    it in a call (a lone row, and runs of rows, against the same rows among 16), at two capacities."""
+    generator = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for capacity in (64, 320):
+            q, keys, values, rows = _example(spec, 16, capacity, generator)
+            own = attention(q, keys, values, rows)
+            if not torch.allclose(own, eager_attention(q, keys, values, rows), rtol=1e-4, atol=1e-5):
+                return "its results are not the eager attention's"
+            for lo, hi in ((0, 1), (15, 16), (0, 2), (3, 9), (1, 16)):
+                if not torch.equal(attention(q[lo:hi], keys, values, rows[lo:hi]), own[lo:hi]):
+                    return "a row's result changes with the rows beside it in a call"
+    return None
+
+
+def compiled_attention(target) -> tuple[CompiledAttention | None, str]:
+    """The compiled attention for ``target`` (a ``FastTarget`` whose layers run compiled) and a
+    note; ``(None, why not)`` where the switch, the target, a build or the probe refuses."""
+    if os.environ.get(SWITCH, "1") == "0":
+        return None, f"turned off ({SWITCH}=0)"
+    if target.dtype != torch.float32 or target.device.type != "cpu":
+        return None, f"only fp32 targets on CPU are compiled, not {target.dtype} on {target.device.type}"
+    if target.num_heads % target.num_kv_heads:
+        return None, f"{target.num_heads} query heads do not share {target.num_kv_heads} KV heads evenly"
+    spec = AttentionSpec(heads=target.num_heads, kv_heads=target.num_kv_heads, head_dim=target.head_dim)
+    try:
+        attention = CompiledAttention(attention_library(spec)[0])
+    except Exception as exc:  # a compiler or AOTInductor failure here: attention stays eager
+        return None, f"building the attention kernel failed: {type(exc).__name__}: {str(exc)[:200]}"
+    why = exact_here(attention, spec)
+    return (None, why) if why else (attention, "attention compiled")

@@ -1,0 +1,86 @@
+"""The target's attention as one compiled kernel beside the compiled layers (``aoti_attention``):
+used only where a probe finds it the eager attention to rounding with every row independent of
+the rows beside it, and a clear note where it is not used. That decoding stays lossless with it
+(chains and trees) is test_aoti_layers.py's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash_core import aoti_attention, aoti_kernels
+from dflash_core.aoti_attention import AttentionSpec, compiled_attention, eager_attention, exact_here
+from dflash_core.target import FastTarget
+from dflash_core.testing import tiny_target, two_shape_llama
+
+SPEC = AttentionSpec(heads=4, kv_heads=2, head_dim=16)
+
+
+def _inputs(t: int = 5, cap: int = 32):
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(t, SPEC.heads, SPEC.head_dim, generator=g)
+    keys = torch.randn(SPEC.kv_heads, cap, SPEC.head_dim, generator=g)
+    values = torch.randn(SPEC.kv_heads, cap, SPEC.head_dim, generator=g)
+    return q, keys, values, torch.arange(10, 10 + t)
+
+
+def test_eager_attention_is_causal_attention_over_the_cache_up_to_each_position():
+    q, keys, values, rows = _inputs()
+    got = eager_attention(q, keys, values, rows)
+    group = SPEC.heads // SPEC.kv_heads
+    for i, p in enumerate(rows.tolist()):
+        for head in range(SPEC.heads):
+            k, v = keys[head // group, : p + 1], values[head // group, : p + 1]
+            want = torch.softmax(k @ q[i, head], dim=0) @ v
+            torch.testing.assert_close(got[i, head * 16 : (head + 1) * 16], want, rtol=1e-5, atol=1e-6)
+    # The mask a pass makes once gives the same numbers.
+    hidden = ~(torch.arange(keys.shape[1])[None, :] <= rows[:, None])
+    assert torch.equal(eager_attention(q, keys, values, rows, hidden), got)
+
+
+def test_the_probe_accepts_the_eager_math_and_refuses_other_numbers_or_rows_that_depend_on_their_company():
+    assert exact_here(eager_attention, SPEC) is None
+
+    def off(q, keys, values, rows):
+        return eager_attention(q, keys, values, rows) * 1.01
+
+    def company(q, keys, values, rows):  # a result that moves with the number of rows in the call
+        return eager_attention(q, keys, values, rows) + q.shape[0] * 1e-7
+
+    assert exact_here(off, SPEC) == "its results are not the eager attention's"
+    assert exact_here(company, SPEC) == "a row's result changes with the rows beside it in a call"
+
+
+def test_the_switch_and_the_target_decide_before_anything_is_built(monkeypatch):
+    monkeypatch.setattr(aoti_attention, "attention_library", lambda spec: pytest.fail("nothing is built"))
+    monkeypatch.setenv(aoti_attention.SWITCH, "0")
+    assert compiled_attention(FastTarget(tiny_target("llama"))) == (None, "turned off (DFLASH_AOTI_ATTENTION=0)")
+    monkeypatch.delenv(aoti_attention.SWITCH)
+    assert compiled_attention(FastTarget(tiny_target("llama", dtype=torch.bfloat16))) == (
+        None, "only fp32 targets on CPU are compiled, not torch.bfloat16 on cpu")
+
+
+@pytest.mark.skipif(not aoti_kernels.available(), reason="no C++ compiler or AOTInductor here")
+def test_a_failed_attention_build_leaves_attention_eager_beside_the_compiled_layers(monkeypatch, kernel_cache):
+    def broken(spec):
+        raise RuntimeError("no compiler today")
+
+    monkeypatch.setattr(aoti_attention, "attention_library", broken)
+    runner = FastTarget(two_shape_llama(), kernels="aoti")
+    if runner.kernels != "aoti":  # a CPU where the kernels' rows depend on their company
+        return
+    assert runner.attention is None and runner.compiled_layers
+    assert "attention eager (building the attention kernel failed: RuntimeError: no compiler today)" in runner.kernel_note
+
+
+@pytest.mark.skipif(not aoti_kernels.available(), reason="no C++ compiler or AOTInductor here")
+def test_the_built_kernel_is_the_eager_attention_to_rounding_and_loads_from_the_cache(kernel_cache):
+    library, meta = aoti_attention.attention_library(SPEC)
+    assert meta == {"spec": {"heads": 4, "kv_heads": 2, "head_dim": 16}}
+    kernel = aoti_attention.CompiledAttention(library)
+    # Its rows independent of their company on this CPU, or the probe says so (and attention stays eager).
+    assert exact_here(kernel, SPEC) in (None, "a row's result changes with the rows beside it in a call")
+    q, keys, values, rows = _inputs(t=7, cap=48)
+    torch.testing.assert_close(kernel(q, keys, values, rows), eager_attention(q, keys, values, rows), rtol=1e-4, atol=1e-5)
+    stamp = library.stat().st_mtime_ns
+    assert aoti_attention.attention_library(SPEC)[0].stat().st_mtime_ns == stamp
