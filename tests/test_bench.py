@@ -102,10 +102,28 @@ def test_peer_summary_keys_ratios_and_where_peers_part_from_ar():
     assert s["speedup_vs_hf_dflash"] == pytest.approx(4.0)
     assert s["decode_tokens_per_s"]["llama_cpp"] == pytest.approx(20.0)
     assert s["speedup_vs_llama_cpp"] == {"ar": pytest.approx(0.25), "dflash": pytest.approx(0.5), "hf_dflash": pytest.approx(0.125)}
+    assert s["median_prompt_ratio_vs_llama_cpp"] == {"ar": pytest.approx(0.25), "dflash": pytest.approx(0.5),
+                                                     "hf_dflash": pytest.approx(0.125)}
     assert s["fastest_variant"] == "dflash" and s["fastest_variant_vs_llama_cpp"] == pytest.approx(0.5)
     assert s["llama_cpp_differs_from_ar"] == {0: 2} and s["llama_cpp_compared_prompts"] == 1
     assert s["hf_dflash_differs_from_ar"] == {}
     assert s["lossless"] is True  # peers are not our variants: their differences are reported, not failures
+
+
+def test_a_prompt_that_stalled_moves_the_median_ratio_to_llama_cpp_little():
+    """On a shared machine one prompt can lose seconds to another tenant: the totals' ratio moves
+    with it, the median over prompts of the per-prompt ratios hardly does."""
+    from dflash_core.bench.runner import MethodRun, PromptRecord, summarize
+
+    records = []
+    for index, llama_decode in enumerate([0.5, 0.5, 10.0]):  # the third prompt's llama.cpp stalled
+        r = PromptRecord(index, 5)
+        r.runs = {"ar": MethodRun("ar", [1] * 11, 1.2, decode_seconds=1.0),
+                  "llama_cpp": MethodRun("llama_cpp", [1] * 11, llama_decode + 0.1, decode_seconds=llama_decode)}
+        records.append(r)
+    s = summarize(records, block_size=16, temperature=0.0)
+    assert s["speedup_vs_llama_cpp"]["ar"] == pytest.approx(11.0 / 3.0, abs=1e-4)  # 30 tokens in 3 s against 30 in 11 s
+    assert s["median_prompt_ratio_vs_llama_cpp"] == {"ar": pytest.approx(0.5)}
 
 
 def test_llama_cpp_method_without_llama_cpp_python_names_the_make_target(monkeypatch):

@@ -28,6 +28,7 @@ the methods rotates from prompt to prompt, after a warm-up of every method.
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
@@ -245,6 +246,19 @@ def fastest_variant(tokens_per_s: dict[str, float], decode_tokens_per_s: dict[st
     return out
 
 
+def _median_prompt_ratios(records: list[PromptRecord], methods: list[str], peer: str) -> dict[str, float | None]:
+    """Per method, the median over prompts of its decode tokens/s over ``peer``'s on that prompt."""
+    def decode_speed(run: MethodRun) -> float:
+        return max(len(run.tokens) - 1, 0) / run.decode_seconds if run.decode_seconds else float("nan")
+
+    out: dict[str, float | None] = {}
+    for m in methods:
+        ratios = [decode_speed(r.runs[m]) / decode_speed(r.runs[peer]) for r in records if m in r.runs and peer in r.runs]
+        ratios = [x for x in ratios if x == x and x not in (float("inf"), float("-inf"))]
+        out[m] = round(statistics.median(ratios), 4) if ratios else None
+    return out
+
+
 def first_difference(a: list[int], b: list[int]) -> int | None:
     """Index of the first token where two outputs part (the shorter length if one is a prefix
     of the other); None when they are equal."""
@@ -314,6 +328,10 @@ def summarize(records: list[PromptRecord], block_size: int, temperature: float) 
     llama = dtps.get("llama_cpp")
     summary["speedup_vs_llama_cpp"] = ({m: _ratio(v, llama) for m, v in dtps.items() if m != "llama_cpp"}
                                        if llama is not None else None)
+    # The same per prompt, then the median: one prompt that stalled on a shared machine (seconds
+    # lost to another tenant) moves the totals' ratio a lot and this one little.
+    summary["median_prompt_ratio_vs_llama_cpp"] = (_median_prompt_ratios(records, [m for m in timed if m != "llama_cpp"], "llama_cpp")
+                                                   if llama is not None else None)
     summary.update(fastest_variant(tps, dtps))
     # Greedy, every DFlash variant (chain, adaptive, tree) must reproduce the AR output exactly.
     variants = [m for m in methods if m == "dflash" or m.startswith("dflash_")]
