@@ -124,6 +124,9 @@ def test_a_prompt_that_stalled_moves_the_median_ratio_to_llama_cpp_little():
     s = summarize(records, block_size=16, temperature=0.0)
     assert s["speedup_vs_llama_cpp"]["ar"] == pytest.approx(11.0 / 3.0, abs=1e-4)  # 30 tokens in 3 s against 30 in 11 s
     assert s["median_prompt_ratio_vs_llama_cpp"] == {"ar": pytest.approx(0.5)}
+    from dflash_core.bench.report import _peer_lines
+
+    assert "| ar | 10.0 | 3.6667 | 0.5 |" in _peer_lines(s)
 
 
 def test_llama_cpp_method_without_llama_cpp_python_names_the_make_target(monkeypatch):

@@ -146,10 +146,14 @@ def _peer_lines(summary: dict[str, Any]) -> list[str]:
         lines += ["", f"Decode tokens/s (prefill excluded) against llama.cpp on the same GGUF "
                       f"({decode.get('llama_cpp')} tok/s); llama.cpp's greedy text parts from our AR on "
                       f"{_parted(summary, 'llama_cpp')}; fastest variant / llama.cpp: "
-                      f"{summary.get('fastest_variant_vs_llama_cpp')}.", "",
-                  "| method | decode tokens/s | / llama.cpp | median over prompts of / llama.cpp |", "|---|---|---|---|"]
-        medians = summary.get("median_prompt_ratio_vs_llama_cpp") or {}
-        lines += [f"| {m} | {decode.get(m)} | {v} | {medians.get(m)} |" for m, v in vs_llama.items()]
+                      f"{summary.get('fastest_variant_vs_llama_cpp')}.", ""]
+        medians = summary.get("median_prompt_ratio_vs_llama_cpp")  # runs before it was measured lack it
+        if medians:
+            lines += ["| method | decode tokens/s | / llama.cpp | median over prompts of / llama.cpp |", "|---|---|---|---|"]
+            lines += [f"| {m} | {decode.get(m)} | {v} | {medians.get(m)} |" for m, v in vs_llama.items()]
+        else:
+            lines += ["| method | decode tokens/s | / llama.cpp |", "|---|---|---|"]
+            lines += [f"| {m} | {decode.get(m)} | {v} |" for m, v in vs_llama.items()]
     shared = summary.get("tau_on_shared_text")
     if shared:
         lines += ["", f"On the {len(shared['prompts'])} prompts where transformers' DFlash text equals ours "
