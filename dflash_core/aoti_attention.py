@@ -3,16 +3,17 @@
 With ``kernels = "aoti"`` the two halves of every decoder layer run compiled (``aoti_layers``);
 between them, attention ran as a dozen eager PyTorch ops (the mask, two batched products, softmax,
 the reshapes), each dispatched from Python: on a 135M model with int8 matrices about a quarter of
-an autoregressive step. Here it is one kernel, (queries, one layer's cached keys and values, the
-queries' positions) -> attention output, the mask and softmax fused between the two products,
-built once per machine and head layout into the cache beside ``aoti_kernels``' and shared by all
+an autoregressive step. Here it is one kernel, (queries, their keys and values, one layer's cache,
+their positions) -> attention output: the keys and values written into the cache in place, then
+the mask and softmax fused between the two products; built once per machine and head layout into the cache beside ``aoti_kernels``' and shared by all
 layers (it holds no weights).
 
 Its sums are rounded their own way (the fused softmax), so its results are the eager attention's
 only to rounding. What keeps decoding lossless is that every caller runs the same kernel on the
 same layout: a chain's pass over its positions (``FastTarget.positions_pass``), and a draft tree's
 pass path by path (``tree_attention``: each path written into the cache at its depths, then the
-kernel on its rows), so every node's arithmetic is the chain's. That holds only if a row's result
+kernel on its rows, rewriting what the cache holds there), so every node's arithmetic is the
+chain's. That holds only if a row's result
 does not depend on the rows beside it in a call: a probe checks that here (a lone row, and runs of
 rows, against the same rows in one call) and against the eager math, and FastTarget's min-rows
 probe then covers the whole pass; otherwise attention stays eager and the load log says why.
@@ -31,6 +32,8 @@ import torch
 
 from .aoti_kernels import cached, compile_shared_object, install, kernel_dir, load_runner
 
+# In the cached kernel's name: a kernel built by an earlier version (other inputs) is never loaded.
+KERNEL_VERSION = "v2"  # v2: the rows' keys and values are the kernel's inputs, written by it
 # Set to 0 to run attention eager between the compiled halves (to measure one against the other).
 SWITCH = "DFLASH_AOTI_ATTENTION"
 
@@ -67,17 +70,28 @@ def eager_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, r
     return att.view(kv, group, t, d).permute(2, 0, 1, 3).reshape(t, h * d)
 
 
+def write_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                     rows: torch.Tensor) -> torch.Tensor:
+    """The kernel's math: the rows' keys and values ``k``, ``v`` (T, kv_heads, D) written into one
+    layer's cache at positions ``rows``, then ``eager_attention`` over it (one call, no Python
+    between the writes and the products)."""
+    keys.index_copy_(1, rows, k.transpose(0, 1))
+    values.index_copy_(1, rows, v.transpose(0, 1))
+    return eager_attention(q, keys, values, rows)
+
+
 class _Attention(torch.nn.Module):
-    def forward(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        return eager_attention(q, keys, values, rows)
+    def forward(self, q, k, v, keys, values, rows):
+        return write_and_attend(q, k, v, keys, values, rows)
 
 
 def _example(spec: AttentionSpec, rows: int, capacity: int, generator: torch.Generator) -> tuple:
     q = torch.randn(rows, spec.heads, spec.head_dim, generator=generator) * spec.head_dim**-0.5
+    k, v = (torch.randn(rows, spec.kv_heads, spec.head_dim, generator=generator) for _ in range(2))
     keys = torch.randn(spec.kv_heads, capacity, spec.head_dim, generator=generator)
     values = torch.randn(spec.kv_heads, capacity, spec.head_dim, generator=generator)
     positions = torch.arange(capacity - rows - 3, capacity - 3)
-    return q, keys, values, positions
+    return q, k, v, keys, values, positions
 
 
 def _build(spec: AttentionSpec, library: Path) -> dict:
@@ -87,40 +101,49 @@ def _build(spec: AttentionSpec, library: Path) -> dict:
     with tempfile.TemporaryDirectory(dir=library.parent) as folder:
         # The products stay ATen's batched matmuls (max-autotune's GEMM templates are for weights).
         staged, _ = compile_shared_object(_Attention().eval(), example, Path(folder), library.name,
-                                          dynamic_shapes=({0: rows}, {1: capacity}, {1: capacity}, {0: rows}),
+                                          dynamic_shapes=({0: rows}, {0: rows}, {0: rows}, {1: capacity}, {1: capacity}, {0: rows}),
                                           configs={"max_autotune": False})
         return install(staged, library, {"spec": asdict(spec)})
 
 
 def attention_library(spec: AttentionSpec) -> tuple[Path, dict]:
     """The compiled attention for ``spec``, built here first if the cache lacks it."""
-    library = kernel_dir() / f"attention-float32-{spec.digest()}.so"
+    library = kernel_dir() / f"attention-{KERNEL_VERSION}-float32-{spec.digest()}.so"
     return cached(library, lambda path: _build(spec, path))
 
 
 class CompiledAttention:
-    """``eager_attention`` through the compiled kernel (to rounding; see the module's docstring)."""
+    """``write_and_attend`` through the compiled kernel: the writes exactly, the attention to
+    rounding (see the module's docstring). ``keys`` and ``values`` (one layer's cache) are written
+    in place."""
 
     def __init__(self, library: Path) -> None:
         self.runner = load_runner(library)
 
-    def __call__(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        return self.runner.run([q.contiguous(), keys, values, rows.contiguous()])[0]
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                 rows: torch.Tensor) -> torch.Tensor:
+        return self.runner.run([q.contiguous(), k.contiguous(), v.contiguous(), keys, values, rows.contiguous()])[0]
 
 
 def exact_here(attention, spec: AttentionSpec) -> str | None:
-    """Why ``attention`` may not replace the eager attention here (None when it may): its results
-    must be the eager ones to fp32 rounding, and each row's must not change with the rows beside
-    it in a call (a lone row, and runs of rows, against the same rows among 16), at two capacities."""
+    """Why ``attention`` (``write_and_attend``'s signature) may not replace the eager writes and
+    attention here (None when it may): it must write the rows' keys and values where they belong,
+    its results must be the eager ones to fp32 rounding, and each row's must not change with the
+    rows beside it in a call (a lone row, and runs of rows, against the same rows among 16, the
+    cache already holding them all), at two capacities."""
     generator = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         for capacity in (64, 320):
-            q, keys, values, rows = _example(spec, 16, capacity, generator)
-            own = attention(q, keys, values, rows)
-            if not torch.allclose(own, eager_attention(q, keys, values, rows), rtol=1e-4, atol=1e-5):
+            q, k, v, keys, values, rows = _example(spec, 16, capacity, generator)
+            want_keys, want_values = keys.clone(), values.clone()
+            want = write_and_attend(q, k, v, want_keys, want_values, rows)
+            own = attention(q, k, v, keys, values, rows)
+            if not (torch.equal(keys, want_keys) and torch.equal(values, want_values)):
+                return "it does not write the keys and values where they belong"
+            if not torch.allclose(own, want, rtol=1e-4, atol=1e-5):
                 return "its results are not the eager attention's"
             for lo, hi in ((0, 1), (15, 16), (0, 2), (3, 9), (1, 16)):
-                if not torch.equal(attention(q[lo:hi], keys, values, rows[lo:hi]), own[lo:hi]):
+                if not torch.equal(attention(q[lo:hi], k[lo:hi], v[lo:hi], keys, values, rows[lo:hi]), own[lo:hi]):
                     return "a row's result changes with the rows beside it in a call"
     return None
 

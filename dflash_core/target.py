@@ -488,12 +488,14 @@ class FastTarget:
         new_rows = rows[:real]
         cos = self.cos[rows]  # (T, heads + kv_heads, D)
         sin = self.sin[rows]
-        attention = self.attention
+        attention = self.attention  # aoti_attention's kernel: the writes and the attention in one call
         if attention is None:
             # Causal mask over the whole cache: query at absolute position p sees keys 0..p.
             hidden_mask = ~(torch.arange(cache.capacity, device=self.device)[None, :] <= rows[:, None])  # (T, cap)
 
-            def attention(q, layer_keys, layer_values, rows):
+            def attention(q, k, v, layer_keys, layer_values, rows):
+                layer_keys.index_copy_(1, new_rows, k[:real].transpose(0, 1))
+                layer_values.index_copy_(1, new_rows, v[:real].transpose(0, 1))
                 return eager_attention(q, layer_keys, layer_values, rows, hidden_mask)
         wanted = {i: n for n, i in enumerate(layer_ids or ())}
         feats: list[torch.Tensor | None] = [None] * len(wanted)
@@ -501,9 +503,9 @@ class FastTarget:
         x = F.embedding(ids, self.embed_weight)  # (T, H)
         for li, layer in enumerate(self.layers):
             q, k, v = self.attention_inputs(layer, x, cos, sin)
-            keys[li].index_copy_(1, new_rows, k[:real].transpose(0, 1))
-            values[li].index_copy_(1, new_rows, v[:real].transpose(0, 1))
-            x = self.finish_layer(layer, x, attention(q, keys[li], values[li], rows))
+            # The compiled kernel writes the padding rows too: at the last real row's position,
+            # the same keys and values (the same token there, rows independent of their company).
+            x = self.finish_layer(layer, x, attention(q, k, v, keys[li], values[li], rows))
             if li in wanted:
                 feats[wanted[li]] = x[:real]
         x = x[:real]

@@ -131,7 +131,11 @@ class TreeAttention:
                 for depth, lo, a, b, hi in turns:
                     keys[li, :, start + depth : start + depth + b - a] = tree_keys[-1][:, a:b]
                     cached_values[li, :, start + depth : start + depth + b - a] = tree_values[-1][:, a:b]
-                    att[a:b] = compiled(q[lo:hi], keys[li], cached_values[li], positions[lo:hi])[a - lo : b - lo]
+                    # The kernel writes its rows' keys and values: for rows borrowed from other
+                    # paths, what the cache holds at their positions already (rewritten unchanged).
+                    at = positions[lo:hi]
+                    k_rows, v_rows = (c[li].index_select(1, at).transpose(0, 1) for c in (keys, cached_values))
+                    att[a:b] = compiled(q[lo:hi], k_rows, v_rows, keys[li], cached_values[li], at)[a - lo : b - lo]
                 if t > real:  # padding rows: copies of the last node
                     att[real:] = att[real - 1 : real]
                 x = target.finish_layer(layer, x, att)

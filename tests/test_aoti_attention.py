@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dflash_core import aoti_attention, aoti_kernels
-from dflash_core.aoti_attention import AttentionSpec, compiled_attention, eager_attention, exact_here
+from dflash_core.aoti_attention import AttentionSpec, compiled_attention, eager_attention, exact_here, write_and_attend
 from dflash_core.target import FastTarget
 from dflash_core.testing import tiny_target, two_shape_llama
 
@@ -38,17 +38,31 @@ def test_eager_attention_is_causal_attention_over_the_cache_up_to_each_position(
     assert torch.equal(eager_attention(q, keys, values, rows, hidden), got)
 
 
-def test_the_probe_accepts_the_eager_math_and_refuses_other_numbers_or_rows_that_depend_on_their_company():
-    assert exact_here(eager_attention, SPEC) is None
+def test_the_probe_accepts_the_eager_math_and_refuses_other_numbers_rows_that_depend_on_their_company_or_lost_writes():
+    assert exact_here(write_and_attend, SPEC) is None
 
-    def off(q, keys, values, rows):
-        return eager_attention(q, keys, values, rows) * 1.01
+    def off(q, k, v, keys, values, rows):
+        return write_and_attend(q, k, v, keys, values, rows) * 1.01
 
-    def company(q, keys, values, rows):  # a result that moves with the number of rows in the call
-        return eager_attention(q, keys, values, rows) + q.shape[0] * 1e-7
+    def company(q, k, v, keys, values, rows):  # a result that moves with the number of rows in the call
+        return write_and_attend(q, k, v, keys, values, rows) + q.shape[0] * 1e-7
+
+    def forgetful(q, k, v, keys, values, rows):  # attends over its rows but leaves the cache as it was
+        return write_and_attend(q, k, v, keys.clone(), values.clone(), rows)
 
     assert exact_here(off, SPEC) == "its results are not the eager attention's"
     assert exact_here(company, SPEC) == "a row's result changes with the rows beside it in a call"
+    assert exact_here(forgetful, SPEC) == "it does not write the keys and values where they belong"
+
+
+def test_write_and_attend_writes_the_rows_then_attends_over_them():
+    q, keys, values, rows = _inputs()
+    k, v = torch.randn(5, 2, 16), torch.randn(5, 2, 16)
+    want_keys, want_values = keys.clone(), values.clone()
+    want_keys[:, rows], want_values[:, rows] = k.transpose(0, 1), v.transpose(0, 1)
+    got = write_and_attend(q, k, v, keys, values, rows)
+    assert torch.equal(keys, want_keys) and torch.equal(values, want_values)
+    assert torch.equal(got, eager_attention(q, want_keys, want_values, rows))
 
 
 def test_the_switch_and_the_target_decide_before_anything_is_built(monkeypatch):
@@ -81,6 +95,10 @@ def test_the_built_kernel_is_the_eager_attention_to_rounding_and_loads_from_the_
     # Its rows independent of their company on this CPU, or the probe says so (and attention stays eager).
     assert exact_here(kernel, SPEC) in (None, "a row's result changes with the rows beside it in a call")
     q, keys, values, rows = _inputs(t=7, cap=48)
-    torch.testing.assert_close(kernel(q, keys, values, rows), eager_attention(q, keys, values, rows), rtol=1e-4, atol=1e-5)
+    k, v = torch.randn(7, 2, 16), torch.randn(7, 2, 16)
+    want_keys, want_values = keys.clone(), values.clone()
+    want = write_and_attend(q, k, v, want_keys, want_values, rows)
+    torch.testing.assert_close(kernel(q, k, v, keys, values, rows), want, rtol=1e-4, atol=1e-5)
+    assert torch.equal(keys, want_keys) and torch.equal(values, want_values)  # written in place
     stamp = library.stat().st_mtime_ns
     assert aoti_attention.attention_library(SPEC)[0].stat().st_mtime_ns == stamp
