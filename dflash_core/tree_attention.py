@@ -114,6 +114,18 @@ class TreeAttention:
             replicas = self._value_replicas(paths, start)
         group = h // kv
         positions = start + depths
+        if compiled is not None:
+            # Each turn's window of rows, and the node whose keys and values each row has the
+            # kernel write at its position: the path's own node at the row's depth where the path
+            # reaches it (rows borrowed from other paths rewrite what the path put there), else
+            # the row itself (deeper than the path: no row of this turn, nor the next path's
+            # ancestors, sit there).
+            row_depths = list(tree.depths) + [tree.depths[-1]] * (t - real)
+            sources, windows = [], []
+            for (path, _), (_, lo, a, b, hi) in zip(groups, turns):
+                sources += [path[row_depths[r]] if row_depths[r] < len(path) else r for r in range(lo, hi)]
+                windows.append((lo, a, b, hi, len(sources) - (hi - lo), positions[lo:hi]))
+            sources = torch.tensor(sources, device=target.device)
         cos, sin = target.cos[positions], target.sin[positions]
         hidden_mask = ~(torch.arange(cap, device=target.device)[None, :] <= positions[:, None])  # (T, cap)
         gather = ancestors[None, :, None, :].expand(kv, t, group, real)
@@ -128,14 +140,10 @@ class TreeAttention:
             tree_values.append(v[:real].transpose(0, 1))
             if compiled is not None:
                 att = torch.empty(t, h * d, dtype=target.dtype, device=target.device)
-                for depth, lo, a, b, hi in turns:
-                    keys[li, :, start + depth : start + depth + b - a] = tree_keys[-1][:, a:b]
-                    cached_values[li, :, start + depth : start + depth + b - a] = tree_values[-1][:, a:b]
-                    # The kernel writes its rows' keys and values: for rows borrowed from other
-                    # paths, what the cache holds at their positions already (rewritten unchanged).
-                    at = positions[lo:hi]
-                    k_rows, v_rows = (c[li].index_select(1, at).transpose(0, 1) for c in (keys, cached_values))
-                    att[a:b] = compiled(q[lo:hi], k_rows, v_rows, keys[li], cached_values[li], at)[a - lo : b - lo]
+                k_rows, v_rows = k.index_select(0, sources), v.index_select(0, sources)
+                for lo, a, b, hi, first, at in windows:
+                    rows = slice(first, first + hi - lo)
+                    att[a:b] = compiled(q[lo:hi], k_rows[rows], v_rows[rows], keys[li], cached_values[li], at)[a - lo : b - lo]
                 if t > real:  # padding rows: copies of the last node
                     att[real:] = att[real - 1 : real]
                 x = target.finish_layer(layer, x, att)

@@ -95,6 +95,11 @@ def test_compiled_layers_are_the_eager_ones_and_lossless(weights, kernel_cache, 
     # its path's, decoded token by token, with per-path value copies and with paths in turn.
     # With the compiled attention every path takes its turn in the cache.
     assert_tree_nodes_are_their_paths(runner, PROMPTS[0][:-1], seeds=range(3))
+    # Where a CPU pads passes to more rows, each path's window borrows more rows of other paths
+    # (and of none, past the last): they must rewrite the path's own keys and values.
+    probed, runner.min_rows = runner.min_rows, 5
+    assert_tree_nodes_are_their_paths(runner, PROMPTS[0][:-1], seeds=range(4))
+    runner.min_rows = probed
     assert_greedy_tree_lossless(runner, model)
     # A second target loads the built kernels: nothing is rebuilt.
     stamps = {p: p.stat().st_mtime_ns for p in kernel_cache.rglob("layer-*.so")}
