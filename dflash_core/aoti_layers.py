@@ -36,7 +36,7 @@ from .aoti_kernels import (INT8_ROWS, VNNI_CANDIDATES, blocked, cached, compile_
 from .families import FusedLayer
 from .kernels import probe_rows
 
-MATRICES = {"before": ("qkv",), "after": ("o", "gate_up", "down"), "between": ("o", "gate_up", "down", "qkv")}
+MATRICES = {"before": ("qkv",), "after": ("o", "gate_up", "down")}
 
 
 @dataclass(frozen=True)
@@ -131,42 +131,17 @@ class _After(torch.nn.Module):
         return x + self.down(F.silu(gate) * up)
 
 
-class _Between(torch.nn.Module):
-    """One layer's ``finish_layer`` then the next layer's ``attention_inputs``: (x, attention, cos,
-    sin) -> (the residual stream after the layer, the next layer's queries, keys, values). The
-    weights named as in ``_After`` are the layer's, those named as in ``_Before`` the next one's."""
-
-    def __init__(self, spec: LayerSpec) -> None:
-        super().__init__()
-        self.after = _After(spec)
-        self.before = _Before(spec)
-
-    def forward(self, x: torch.Tensor, attention: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        x = self.after(x, attention)
-        return (x, *self.before(x, cos, sin))
-
-
-HALVES = {"before": _Before, "after": _After, "between": _Between}
-
-
 def _half(spec: LayerSpec, half: str) -> torch.nn.Module:
-    return HALVES[half](spec).eval()
-
-
-def _param_name(name: str) -> str:
-    """A parameter's name in ``_layer_params``: ``_Between`` nests its two halves."""
-    return name.split(".", 1)[1] if name.startswith(("after.", "before.")) else name
+    return (_Before if half == "before" else _After)(spec).eval()
 
 
 def _example(spec: LayerSpec, half: str, rows: int, generator: torch.Generator | None = None) -> tuple:
     def rand(*shape):
         return torch.randn(*shape, generator=generator) if generator is not None else torch.zeros(*shape)
 
-    angles = (rows, spec.heads + spec.kv_heads, spec.head_dim)
     if half == "before":
+        angles = (rows, spec.heads + spec.kv_heads, spec.head_dim)
         return rand(rows, spec.hidden), rand(*angles), rand(*angles)
-    if half == "between":
-        return rand(rows, spec.hidden), rand(rows, spec.heads * spec.head_dim), rand(*angles), rand(*angles)
     return rand(rows, spec.hidden), rand(rows, spec.heads * spec.head_dim)
 
 
@@ -181,17 +156,12 @@ def _constants_of(source: str) -> dict[str, tuple[int, ...]]:
 def _assign(spec: LayerSpec, half: str, declared: dict[str, tuple[int, ...]], fqns: dict[str, str]) -> list[dict]:
     """Where each of the kernel's constants comes from: a parameter of the half (by its name) or a
     matrix's weight in the blocked layout (by shape; matrices of one shape in the graph's order)."""
-    module = _half(spec, half)
-    params = {_param_name(n) for n, _ in list(module.named_parameters()) + list(module.named_buffers())}
+    params = dict(_half(spec, half).named_parameters()) | dict(_half(spec, half).named_buffers())
     shapes = spec.shapes()
     open_matrices = list(MATRICES[half])
     plan = []
-    def graph_order(name: str) -> tuple:  # constantN in N's order (the graph's), then parameters by name
-        number = name.removeprefix("constant")
-        return (number == name, int(number) if number != name and number.isdigit() else 0, name)
-
-    for name in sorted(declared, key=graph_order):
-        fqn = _param_name(fqns.get(name, name))
+    for name in sorted(declared, key=lambda n: (not n.startswith("constant"), int(n[8:]) if n[8:].isdigit() else 0, n)):
+        fqn = fqns.get(name, name)
         if fqn in params:
             plan.append({"name": name, "source": fqn, "block": None})
             continue
@@ -206,18 +176,10 @@ def _assign(spec: LayerSpec, half: str, declared: dict[str, tuple[int, ...]], fq
     return plan
 
 
-def _constants(plan: list[dict], params: dict[str, torch.Tensor], packed: dict | None = None) -> dict[str, torch.Tensor]:
-    """The kernel's constants from ``params``; ``packed`` (shared between kernels) keeps one copy
-    of each matrix per blocked layout, so kernels that read a matrix the same way share it."""
-    packed = {} if packed is None else packed
-
-    def block(c: dict) -> torch.Tensor:
-        key = (id(params[c["source"]]), c["block"], c.get("vnni", 1))
-        if key not in packed:
-            packed[key] = (params[c["source"]], blocked(params[c["source"]], c["block"], c.get("vnni", 1)))
-        return packed[key][1]
-
-    return {c["name"]: (params[c["source"]] if c["block"] is None else block(c)) for c in plan}
+def _constants(plan: list[dict], params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {c["name"]: (params[c["source"]] if c["block"] is None
+                        else blocked(params[c["source"]], c["block"], c.get("vnni", 1)))
+            for c in plan}
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, kind: str) -> bool:
@@ -239,7 +201,7 @@ def _random_params(module: torch.nn.Module, generator: torch.Generator) -> dict[
         else:
             new = torch.rand(value.shape, generator=generator) + 0.5
         value.data = new.to(value.dtype)
-        params[_param_name(name)] = value.data
+        params[name] = value.data
     return params
 
 
@@ -279,8 +241,8 @@ def layer_library(spec: LayerSpec, half: str) -> tuple[Path, dict]:
 class CompiledHalf:
     """One layer's half through its runner; ``constants`` keeps the tensors it reads in place."""
 
-    def __init__(self, library: Path, meta: dict, params: dict[str, torch.Tensor], packed: dict | None = None) -> None:
-        self.constants = _constants(meta["constants"], params, packed)
+    def __init__(self, library: Path, meta: dict, params: dict[str, torch.Tensor]) -> None:
+        self.constants = _constants(meta["constants"], params)
         self.runner = load_runner(library)
         swap_in(self.runner, self.constants)
 
@@ -296,9 +258,6 @@ class CompiledLayer(FusedLayer):
 
     before: Callable = field(default=None, repr=False)
     after: Callable = field(default=None, repr=False)
-    # This layer's finish and the next layer's attention inputs in one kernel (None on the last
-    # layer): ``FastTarget.finish_and_begin`` calls it.
-    between: Callable | None = field(default=None, repr=False)
 
 
 def layer_spec(layer: FusedLayer, target) -> tuple[LayerSpec | None, str | None]:
@@ -360,17 +319,10 @@ def compiled_layers(target) -> tuple[list[CompiledLayer] | None, str]:
     if spec is None:
         return None, why
     try:
-        libraries = {half: layer_library(spec, half) for half in ("before", "after")}
+        libraries = {half: layer_library(spec, half) for half in MATRICES}
     except Exception as exc:  # a compiler or AOTInductor failure here: the eager layers keep running
         return None, f"building the layer kernels failed: {type(exc).__name__}: {str(exc)[:200]}"
-    fused = "each layer's finish fused with the next one's start"
-    try:  # optional: without it each layer's two halves run as two calls
-        libraries["between"] = layer_library(spec, "between")
-    except Exception as exc:
-        fused = f"layer boundaries not fused (building that kernel failed: {type(exc).__name__}: {str(exc)[:120]})"
     out = []
-    params = [_layer_params(layer, spec.kind) for layer in layers]
-    packed: dict = {}  # the blocked matrices, one per layout, shared by the kernels reading them
     generator = torch.Generator().manual_seed(0)
     x = probe_rows(spec.hidden, torch.float32)
     angles = (x.shape[0], spec.heads + spec.kv_heads, spec.head_dim)
@@ -380,29 +332,13 @@ def compiled_layers(target) -> tuple[list[CompiledLayer] | None, str]:
         other, why = layer_spec(layer, target)
         if other != spec:
             return None, f"layer {i} differs from layer 0 ({why or other})"
-        before, after = (CompiledHalf(*libraries[half], params[i], packed) for half in ("before", "after"))
-        between = (CompiledHalf(*libraries["between"], {**params[i + 1], **_after_params(params[i])}, packed)
-                   if i + 1 < len(layers) and "between" in libraries else None)
+        params = _layer_params(layer, spec.kind)
+        before, after = (CompiledHalf(*libraries[half], params) for half in MATRICES)
         with torch.inference_mode():
             eager_before = target.attention_inputs(layer, x, cos, sin)
             if not all(_close(g, w, spec.kind) for g, w in zip(before(x, cos, sin), eager_before)):
                 return None, f"layer {i}'s compiled attention inputs are not the eager ones"
-            finished = target.finish_layer(layer, x, attention)
-            if not _close(after(x, attention), finished, spec.kind):
+            if not _close(after(x, attention), target.finish_layer(layer, x, attention), spec.kind):
                 return None, f"layer {i}'s compiled finish is not the eager one"
-            if between is not None:
-                eager_between = (finished, *target.attention_inputs(layers[i + 1], finished, cos, sin))
-                if not all(_close(g, w, spec.kind) for g, w in zip(between(x, attention, cos, sin), eager_between)):
-                    libraries.pop("between")
-                    fused = f"layer boundaries not fused (layers {i} and {i + 1} across theirs are not the eager ones)"
-                    for done in out:
-                        done.between = None
-                    between = None
-        out.append(CompiledLayer(**{f.name: getattr(layer, f.name) for f in fields(FusedLayer)}, before=before, after=after,
-                                 between=between))
-    return out, f"{len(out)} of {len(layers)} decoder layers compiled whole around attention ({spec.kind} matrices), {fused}"
-
-
-def _after_params(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The parameters of ``_After`` among a layer's (``_layer_params``)."""
-    return {name: value for name, value in params.items() if name == "ln2" or name.split(".")[0] in MATRICES["after"]}
+        out.append(CompiledLayer(**{f.name: getattr(layer, f.name) for f in fields(FusedLayer)}, before=before, after=after))
+    return out, f"{len(out)} of {len(layers)} decoder layers compiled whole around attention ({spec.kind} matrices)"

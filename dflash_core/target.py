@@ -444,16 +444,6 @@ class FastTarget:
         gate, up = layer.gate_up(self.norm(x, layer.ln2)).chunk(2, dim=-1)
         return x + layer.down(F.silu(gate) * up)
 
-    def finish_and_begin(self, layer: FusedLayer, following: FusedLayer, x: torch.Tensor, attention: torch.Tensor,
-                         cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-        """``finish_layer`` of ``layer``, then ``attention_inputs`` of ``following`` (the next
-        layer): one compiled kernel where the layers have it (``CompiledLayer.between``)."""
-        if isinstance(layer, CompiledLayer) and layer.between is not None:
-            x, q, k, v = layer.between(x, attention, cos, sin)
-            return x, (q, k, v)
-        x = self.finish_layer(layer, x, attention)
-        return x, self.attention_inputs(following, x, cos, sin)
-
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         return self._lm_head(self.norm(x, self.final_norm))
 
@@ -511,16 +501,11 @@ class FastTarget:
         feats: list[torch.Tensor | None] = [None] * len(wanted)
 
         x = F.embedding(ids, self.embed_weight)  # (T, H)
-        layers = self.layers
-        q, k, v = self.attention_inputs(layers[0], x, cos, sin)
-        for li, layer in enumerate(layers):
+        for li, layer in enumerate(self.layers):
+            q, k, v = self.attention_inputs(layer, x, cos, sin)
             # The compiled kernel writes the padding rows too: at the last real row's position,
             # the same keys and values (the same token there, rows independent of their company).
-            att = attention(q, k, v, keys[li], values[li], rows)
-            if li + 1 < len(layers):
-                x, (q, k, v) = self.finish_and_begin(layer, layers[li + 1], x, att, cos, sin)
-            else:
-                x = self.finish_layer(layer, x, att)
+            x = self.finish_layer(layer, x, attention(q, k, v, keys[li], values[li], rows))
             if li in wanted:
                 feats[wanted[li]] = x[:real]
         x = x[:real]

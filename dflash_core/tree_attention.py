@@ -134,16 +134,8 @@ class TreeAttention:
         tree_keys, tree_values = [], []
 
         x = F.embedding(ids, target.embed_weight)
-        layers = target.layers
-        q, k, v = target.attention_inputs(layers[0], x, cos, sin)
-
-        def finish(li: int, x: torch.Tensor, att: torch.Tensor):
-            """The layer's finish, and the next layer's queries, keys and values (as a chain's)."""
-            if li + 1 < len(layers):
-                return target.finish_and_begin(layers[li], layers[li + 1], x, att, cos, sin)
-            return target.finish_layer(layers[li], x, att), (None, None, None)
-
-        for li, layer in enumerate(layers):
+        for li, layer in enumerate(target.layers):
+            q, k, v = target.attention_inputs(layer, x, cos, sin)
             tree_keys.append(k[:real].transpose(0, 1))  # (kv, real, d), node order
             tree_values.append(v[:real].transpose(0, 1))
             if compiled is not None:
@@ -154,7 +146,7 @@ class TreeAttention:
                     att[a:b] = compiled(q[lo:hi], k_rows[rows], v_rows[rows], keys[li], cached_values[li], at)[a - lo : b - lo]
                 if t > real:  # padding rows: copies of the last node
                     att[real:] = att[real - 1 : real]
-                x, (q, k, v) = finish(li, x, att)
+                x = target.finish_layer(layer, x, att)
                 if li in wanted:
                     feats[wanted[li]] = x[:real]
                 continue
@@ -192,7 +184,7 @@ class TreeAttention:
                     att[a:b] = part.view(kv, hi - lo, group, d).transpose(0, 1)[a - lo : b - lo]
                 if t > real:  # padding rows: copies of the last node
                     att[real:] = att[real - 1 : real]
-            x, (q, k, v) = finish(li, x, att.reshape(t, h * d))
+            x = target.finish_layer(layer, x, att.reshape(t, h * d))
             if li in wanted:
                 feats[wanted[li]] = x[:real]
         self._pending = (start, torch.stack(tree_keys), torch.stack(tree_values))

@@ -42,17 +42,6 @@ def test_constants_are_matched_to_parameters_and_blocked_matrices_by_shape():
         aoti_layers._assign(SPEC, "after", {k: v for k, v in declared.items() if k != "constant4"}, {})
 
 
-def test_across_a_layer_boundary_the_finishs_weights_and_the_next_starts_are_told_apart():
-    # gate_up (128x64) and the next layer's qkv (128x64) share a shape: the graph's order decides
-    # (the finish runs first); parameters come by their names inside either half.
-    declared = {"constant2": (4, 64, 16), "constant3": (8, 64, 16), "constant4": (4, 64, 16), "constant5": (8, 64, 16),
-                "after_ln2": (64,), "before_ln1": (64,)}
-    plan = aoti_layers._assign(SPEC, "between", declared, {"after_ln2": "after.ln2", "before_ln1": "before.ln1"})
-    assert [(c["name"], c["source"]) for c in plan] == [
-        ("constant2", "o.weight"), ("constant3", "gate_up.weight"), ("constant4", "down.weight"),
-        ("constant5", "qkv.weight"), ("after_ln2", "ln2"), ("before_ln1", "ln1")]
-
-
 def test_a_bf16_target_is_not_compiled():
     runner = FastTarget(tiny_target("llama", dtype=torch.bfloat16))
     spec, why = aoti_layers.layer_spec(runner.layers[0], runner)
@@ -87,15 +76,14 @@ def test_compiled_layers_are_the_eager_ones_and_lossless(weights, kernel_cache, 
         assert runner.kernel_note.startswith("asked for aoti, running oneDNN")
         return
     head = "through the C++ GEMM" if kind == "float32" else "int8 through the int8 GEMM"
-    assert runner.kernel_note == (f"3 of 3 decoder layers compiled whole around attention ({kind} matrices), each "
-                                  f"layer's finish fused with the next one's start; attention compiled; the LM head {head}")
-    assert [layer.between is not None for layer in runner.layers] == [True, True, False]
+    assert runner.kernel_note == (f"3 of 3 decoder layers compiled whole around attention ({kind} matrices); "
+                                  f"attention compiled; the LM head {head}")
     assert isinstance(runner.attention, aoti_attention.CompiledAttention)
     # The drafter reads the full-precision head whatever runs the target's.
     assert runner.lm_head_weight is model.lm_head.weight or torch.equal(runner.lm_head_weight, model.lm_head.weight)
     assert all(isinstance(layer, aoti_layers.CompiledLayer) for layer in runner.layers)
     built = {p.name for p in kernel_cache.rglob("layer-*.so")}
-    for half in ("before", "after", "between"):
+    for half in ("before", "after"):
         assert len([name for name in built if name.startswith(f"layer-{half}-{kind}-")]) == 1, built
     assert runner.batch_invariant
     # The eager layers of the same weights: the same logits to rounding (fp32's, or bf16 rows' for int8).
