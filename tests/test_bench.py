@@ -208,3 +208,19 @@ def test_full_vocab_drafts_turns_the_draft_vocabulary_off_and_the_settings_say_s
         settings[bool(flag)] = data["settings"]["draft_vocab"]
         assert data["summary"]["lossless"] is True
     assert settings == {False: 8192, True: None}
+
+
+def test_the_benchmarks_page_names_the_pair_of_a_run_on_another_pair():
+    """docs/BENCHMARKS.md holds the default pair's runs and issue 18's run on the int8 pair: the
+    latter's title says so, the others' stay as they were."""
+    from dflash_core.bench.report import benchmarks_markdown
+
+    def run(pair: str) -> dict:
+        settings = {"prompts": "humaneval", "limit": 20, "offset": 0, "block_size": 16, "temperature": 0.0, "rules": ["match"],
+                    "max_new_tokens": 256, "pair": pair, "command": "python -m dflash_core bench", "dtype": "float32",
+                    "runner": "fast", "threads": 2, "warmup": True}
+        return {"settings": settings, "summary": {"tokens_per_s": {"ar": 1.0}, "decode_tokens_per_s": {"ar": 1.0}}}
+
+    page = benchmarks_markdown([run("smollm2-135m"), run("smollm2-135m-int8")])
+    assert "## humaneval (20 prompts), block 16, greedy, 256 new tokens\n" in page
+    assert "## humaneval (20 prompts), block 16, greedy, 256 new tokens, pair smollm2-135m-int8\n" in page

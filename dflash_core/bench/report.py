@@ -193,10 +193,13 @@ def _parted(summary: dict[str, Any], peer: str) -> str:
     return f"{len(parted)} of {compared} prompts" + (f" ({where})" if where else "")
 
 
-def _section_title(settings: dict[str, Any]) -> str:
+def _section_title(settings: dict[str, Any], main_pair: str | None = None) -> str:
+    """A run's title; it names the pair where that is not ``main_pair`` (the page's first run's)."""
     parts = [f"{settings['prompts']} ({settings['limit']} prompts)", f"block {settings['block_size']}"]
     parts.append("greedy" if not settings["temperature"] else f"temperature {settings['temperature']}, rules {'/'.join(settings['rules'])}")
     parts.append(f"{settings['max_new_tokens']} new tokens")
+    if main_pair is not None and settings.get("pair", main_pair) != main_pair:
+        parts.append(f"pair {settings['pair']}")
     return ", ".join(parts)
 
 
@@ -222,6 +225,7 @@ def benchmarks_markdown(runs: list[dict[str, Any]], drafter_info: dict[str, Any]
             if drafter_info.get(key):
                 lines.append(f"- {key.replace('_', ' ')}: `{drafter_info[key]}`" if key == "command" else f"- {key.replace('_', ' ')}: {drafter_info[key]}")
         lines.append("")
+    main_pair = runs[0]["settings"].get("pair") if runs else None
     if runs:
         def cell(value: Any) -> str:
             return "–" if value is None else (f"{value:.2f}" if isinstance(value, float) else str(value))
@@ -246,7 +250,7 @@ def benchmarks_markdown(runs: list[dict[str, Any]], drafter_info: dict[str, Any]
             tps = m["tokens_per_s"]
             m = {**fastest_variant(tps), **m}  # runs written before the summary carried it
             lines.append("| " + " | ".join([
-                _section_title(s), cell(m.get("tau")), cell(tps.get("ar")), cell(tps.get("dflash")),
+                _section_title(s, main_pair), cell(m.get("tau")), cell(tps.get("ar")), cell(tps.get("dflash")),
                 cell(m.get("speedup_vs_ar")), cell(m.get("speedup_dflash_adaptive_vs_ar")), cell(m.get("tau_tree")),
                 cell(m.get("speedup_dflash_tree_vs_ar")), cell(m.get("speedup_dflash_tree_adaptive_vs_ar")),
                 cell(m.get("speedup_dflash_lookup_adaptive_vs_ar")), cell(m.get("speedup_dflash_tree_lookup_adaptive_vs_ar")),
@@ -259,7 +263,7 @@ def benchmarks_markdown(runs: list[dict[str, Any]], drafter_info: dict[str, Any]
         lines.append("")
     for run in runs:
         s = run["settings"]
-        lines += [f"## {_section_title(s)}", "",
+        lines += [f"## {_section_title(s, main_pair)}", "",
                   f"Machine: {s.get('machine', '?')}.", "",
                   markdown_summary(s, run["summary"])]
     return "\n".join(lines).rstrip() + "\n"
