@@ -12,8 +12,9 @@ decoding its path token by token, so greedy tree verification is exactly the tar
 decoding (tested); in fp32 they agree within rounding, as a chain's do.
 
 Where the target's attention is one compiled kernel (``aoti_attention``), whose sums are rounded
-its own way, the tree calls that kernel as a chain does: path by path, each path's keys and values
-written into the cache at its depths, then the kernel on its rows at their positions.
+its own way, the tree calls that kernel as a chain does: path by path, on a window of rows at their
+positions, each row handing it the keys and values of the path's node at its depth, which the
+kernel writes into the cache before its products; so each path sees its own nodes at its depths.
 """
 
 from __future__ import annotations
