@@ -19,7 +19,7 @@ kernel writes into the cache before its products; so each path sees its own node
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -63,17 +63,85 @@ class TreeAttention:
         ids = torch.tensor(tree.tokens, dtype=torch.long, device=target.device)
         real = ids.shape[0]
         start = cache.length
-        end = start + real
-        cache.check_room(end)
-        min_rows = target.min_rows
+        cache.check_room(start + real)
         depths = torch.tensor(tree.depths, device=target.device)
-        ancestors = torch.tensor(tree.ancestors(), device=target.device)  # (real, real) node ids
-        if real < min_rows:  # as in forward: every row on the multi-row kernel path
-            pad = min_rows - real
+        if real < target.min_rows:  # as in forward: every row on the multi-row kernel path
+            pad = target.min_rows - real
             ids = torch.cat((ids, ids[-1:].expand(pad)))
             depths = torch.cat((depths, depths[-1:].expand(pad)))
-            ancestors = torch.cat((ancestors, ancestors[-1:].expand(pad, -1)))
-        t = ids.shape[0]
+        positions = start + depths
+        cos, sin = target.cos[positions], target.sin[positions]
+        # One layer's attention for every row, (layer, q, k, v) -> (T, heads * D), laid out for
+        # this tree once for all layers.
+        attend = (self._compiled_attention if target.attention is not None else self._eager_attention)(tree, groups, positions)
+        wanted = {i: n for n, i in enumerate(layer_ids or ())}
+        feats: list[torch.Tensor | None] = [None] * len(wanted)
+        tree_keys, tree_values = [], []
+
+        x = F.embedding(ids, target.embed_weight)
+        for li, layer in enumerate(target.layers):
+            q, k, v = target.attention_inputs(layer, x, cos, sin)
+            tree_keys.append(k[:real].transpose(0, 1))  # (kv, real, d), node order
+            tree_values.append(v[:real].transpose(0, 1))
+            x = target.finish_layer(layer, x, attend(li, q, k, v))
+            if li in wanted:
+                feats[wanted[li]] = x[:real]
+        self._pending = (start, torch.stack(tree_keys), torch.stack(tree_values))
+        cache.length = start + real
+        features = torch.cat(feats, dim=-1) if feats else None
+        return target.logits(x[:real]), features
+
+    def _turns(self, tree: DraftTree, runs: Sequence[list[int]], t: int) -> list[tuple[int, int, int, int, int]]:
+        """Per run of nodes [a, b) (a path's new nodes, depth-first), ``(depth(a), lo, a, b, hi)``:
+        the rows [lo, hi) its product runs on, widened to the multi-row threshold by borrowing
+        neighbours. Depth-first, below depth(a) the path before it left exactly this path's
+        ancestors in the cache."""
+        min_rows = self.target.min_rows
+        turns = []
+        for nodes in runs:
+            a, b = nodes[0], nodes[-1] + 1
+            first = max(0, min(a, b - min_rows))
+            turns.append((tree.depths[a], first, a, b, max(b, min(t, first + min_rows))))
+        return turns
+
+    def _compiled_attention(self, tree: DraftTree, groups: list, positions: torch.Tensor) -> Callable:
+        """``aoti_attention``'s kernel path by path: each turn's window of rows hands it, for each
+        row, the keys and values of the path's own node at the row's depth where the path reaches
+        it (rows borrowed from other paths rewrite what the path put there), else the row's own
+        (deeper than the path: no row of this turn, nor the next path's ancestors, sit there); the
+        kernel writes them into the cache, then attends, as on a chain's rows."""
+        target, compiled = self.target, self.target.attention
+        keys, values = target.cache.k, target.cache.v
+        t, real = positions.shape[0], len(tree)
+        row_depths = list(tree.depths) + [tree.depths[-1]] * (t - real)
+        sources, windows = [], []
+        for (path, _), (_, lo, a, b, hi) in zip(groups, self._turns(tree, [nodes for _, nodes in groups], t)):
+            windows.append((lo, a, b, hi, slice(len(sources), len(sources) + hi - lo), positions[lo:hi]))
+            sources += [path[row_depths[r]] if row_depths[r] < len(path) else r for r in range(lo, hi)]
+        sources = torch.tensor(sources, device=target.device)
+
+        def attend(li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            att = torch.empty(t, q.shape[1] * q.shape[2], dtype=target.dtype, device=target.device)
+            k_rows, v_rows = k.index_select(0, sources), v.index_select(0, sources)
+            for lo, a, b, hi, rows, at in windows:
+                att[a:b] = compiled(q[lo:hi], k_rows[rows], v_rows[rows], keys[li], values[li], at)[a - lo : b - lo]
+            if t > real:  # padding rows: copies of the last node
+                att[real:] = att[real - 1 : real]
+            return att
+
+        return attend
+
+    def _eager_attention(self, tree: DraftTree, groups: list, positions: torch.Tensor) -> Callable:
+        """The eager attention (see the module's docstring): scores against the cache with each
+        row's ancestors gathered into place, values from the cache, from per-path replicas or from
+        the cache with each path written in turn."""
+        target, cache = self.target, self.target.cache
+        t, real = positions.shape[0], len(tree)
+        start, end = cache.length, cache.length + real
+        min_rows = target.min_rows
+        ancestors = torch.tensor(tree.ancestors(), device=target.device)  # (real, real) node ids
+        if t > real:
+            ancestors = torch.cat((ancestors, ancestors[-1:].expand(t - real, -1)))
         # The value product. The first path (nodes 0..L-1, depths 0..L-1) finds its values in
         # place in the cache: one product over its rows (at least the multi-row threshold).
         # Every other path p: one batched product of its run of nodes, widened to ``width`` rows
@@ -85,18 +153,9 @@ class TreeAttention:
         cap = cache.capacity
         keys, cached_values = cache.k, cache.v
         replica_bytes = target.num_layers * paths * target.num_kv_heads * cap * target.head_dim * cached_values.element_size()
-        # With a compiled attention kernel (``aoti_attention``) every path takes its turn in the
-        # cache, keys and values both, and the kernel runs on its rows as on a chain's.
-        compiled = target.attention
-        use_replicas = compiled is None and paths > 0 and replica_bytes <= REPLICA_BYTES
-        if compiled is not None or (paths and not use_replicas):
-            # Depth-first, path p's run [a, b) sits at depths depth(a)..; below depth(a) the path
-            # before it left exactly p's ancestors in the cache.
-            turns = []
-            for _, nodes in (groups if compiled is not None else others):
-                a, b = nodes[0], nodes[-1] + 1
-                first = max(0, min(a, b - min_rows))
-                turns.append((tree.depths[a], first, a, b, max(b, min(t, first + min_rows))))
+        use_replicas = paths > 0 and replica_bytes <= REPLICA_BYTES
+        if paths and not use_replicas:
+            turns = self._turns(tree, [nodes for _, nodes in others], t)
         h, kv, d = target.num_heads, target.num_kv_heads, target.head_dim
         if use_replicas:
             # Index vectors for the whole pass (the same in every layer), so that each layer
@@ -114,45 +173,13 @@ class TreeAttention:
                                                    for x in (window, pick, write_node, write_row))
             replicas = self._value_replicas(paths, start)
         group = h // kv
-        positions = start + depths
-        if compiled is not None:
-            # Each turn's window of rows, and the node whose keys and values each row has the
-            # kernel write at its position: the path's own node at the row's depth where the path
-            # reaches it (rows borrowed from other paths rewrite what the path put there), else
-            # the row itself (deeper than the path: no row of this turn, nor the next path's
-            # ancestors, sit there).
-            row_depths = list(tree.depths) + [tree.depths[-1]] * (t - real)
-            sources, windows = [], []
-            for (path, _), (_, lo, a, b, hi) in zip(groups, turns):
-                sources += [path[row_depths[r]] if row_depths[r] < len(path) else r for r in range(lo, hi)]
-                windows.append((lo, a, b, hi, len(sources) - (hi - lo), positions[lo:hi]))
-            sources = torch.tensor(sources, device=target.device)
-        cos, sin = target.cos[positions], target.sin[positions]
         hidden_mask = ~(torch.arange(cap, device=target.device)[None, :] <= positions[:, None])  # (T, cap)
         gather = ancestors[None, :, None, :].expand(kv, t, group, real)
-        wanted = {i: n for n, i in enumerate(layer_ids or ())}
-        feats: list[torch.Tensor | None] = [None] * len(wanted)
-        tree_keys, tree_values = [], []
 
-        x = F.embedding(ids, target.embed_weight)
-        for li, layer in enumerate(target.layers):
-            q, k, v = target.attention_inputs(layer, x, cos, sin)
-            tree_keys.append(k[:real].transpose(0, 1))  # (kv, real, d), node order
-            tree_values.append(v[:real].transpose(0, 1))
-            if compiled is not None:
-                att = torch.empty(t, h * d, dtype=target.dtype, device=target.device)
-                k_rows, v_rows = k.index_select(0, sources), v.index_select(0, sources)
-                for lo, a, b, hi, first, at in windows:
-                    rows = slice(first, first + hi - lo)
-                    att[a:b] = compiled(q[lo:hi], k_rows[rows], v_rows[rows], keys[li], cached_values[li], at)[a - lo : b - lo]
-                if t > real:  # padding rows: copies of the last node
-                    att[real:] = att[real - 1 : real]
-                x = target.finish_layer(layer, x, att)
-                if li in wanted:
-                    feats[wanted[li]] = x[:real]
-                continue
+        def attend(li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             keys[li, :, start:end] = k[:real].transpose(0, 1)
-            cached_values[li, :, start:end] = v[:real].transpose(0, 1)
+            values = v[:real].transpose(0, 1)  # (kv, real, d), node order
+            cached_values[li, :, start:end] = values
             # Rows ordered (kv head, node, query head in the group): a run of nodes is then one
             # (kv, rows, cap) view for the value product.
             qg = q.reshape(t, kv, group, d).transpose(0, 1).reshape(kv, t * group, d)
@@ -161,7 +188,6 @@ class TreeAttention:
             scores[..., start:end] = scores[..., start:end].gather(-1, gather)
             scores = scores.masked_fill(hidden_mask[:, None, :], float("-inf"))
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(target.dtype)
-            values = tree_values[-1]  # (kv, real, d), node order (what was written above)
             first = torch.matmul(probs[:, :main].reshape(kv, main * group, cap), cached_values[li])
             first = first.view(kv, main, group, d).transpose(0, 1)  # (rows, kv, group, d)
             if not paths:  # a chain (with its padding rows, if any)
@@ -185,13 +211,9 @@ class TreeAttention:
                     att[a:b] = part.view(kv, hi - lo, group, d).transpose(0, 1)[a - lo : b - lo]
                 if t > real:  # padding rows: copies of the last node
                     att[real:] = att[real - 1 : real]
-            x = target.finish_layer(layer, x, att.reshape(t, h * d))
-            if li in wanted:
-                feats[wanted[li]] = x[:real]
-        self._pending = (start, torch.stack(tree_keys), torch.stack(tree_values))
-        cache.length = end
-        features = torch.cat(feats, dim=-1) if feats else None
-        return target.logits(x[:real]), features
+            return att.reshape(t, h * d)
+
+        return attend
 
     def _value_replicas(self, paths: int, start: int) -> torch.Tensor:
         """(layers, >= paths, kv, capacity, D) copies of the value cache, the first ``paths``
