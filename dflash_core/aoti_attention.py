@@ -5,24 +5,21 @@ between them, attention ran as a dozen eager PyTorch ops (the mask, two batched 
 the reshapes), each dispatched from Python: on a 135M model with int8 matrices about a quarter of
 an autoregressive step. Here it is one kernel, (queries, their keys and values, one layer's cache,
 their positions) -> attention output: the keys and values written into the cache in place, then
-the mask and softmax fused between the two products; built once per machine and head layout into the cache beside ``aoti_kernels``' and shared by all
-layers (it holds no weights).
+the mask and softmax fused between the two products. It is built once per machine and head layout
+into the cache beside ``aoti_kernels``' and shared by all layers (it holds no weights).
 
 Its sums are rounded their own way (the fused softmax), so its results are the eager attention's
 only to rounding. What keeps decoding lossless is that every caller runs the same kernel on the
 same layout: a chain's pass over its positions (``FastTarget.positions_pass``), and a draft tree's
-pass path by path (``tree_attention``: each path written into the cache at its depths, then the
-kernel on its rows, rewriting what the cache holds there), so every node's arithmetic is the
-chain's. That holds only if a row's result
-does not depend on the rows beside it in a call: a probe checks that here (a lone row, and runs of
-rows, against the same rows in one call) and against the eager math, and FastTarget's min-rows
-probe then covers the whole pass; otherwise attention stays eager and the load log says why.
+pass path by path (``tree_attention``: each path's rows hand it the path's keys and values at its
+depths), so every node's arithmetic is the chain's. That holds only if a row's result does not
+depend on the rows beside it in a call: a probe checks that here (a lone row, and runs of rows,
+against the same rows in one call) and against the eager math, and FastTarget's min-rows probe
+then covers the whole pass; otherwise attention stays eager and the load log says why.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import tempfile
 from dataclasses import asdict, dataclass
@@ -30,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from .aoti_kernels import cached, compile_shared_object, install, kernel_dir, load_runner
+from .aoti_kernels import cached, compile_shared_object, install, kernel_dir, load_runner, spec_digest
 
 # In the cached kernel's name: a kernel built by an earlier version (other inputs) is never loaded.
 KERNEL_VERSION = "v2"  # v2: the rows' keys and values are the kernel's inputs, written by it
@@ -46,8 +43,6 @@ class AttentionSpec:
     kv_heads: int
     head_dim: int
 
-    def digest(self) -> str:
-        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
 
 
 def eager_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor,
@@ -108,7 +103,7 @@ def _build(spec: AttentionSpec, library: Path) -> dict:
 
 def attention_library(spec: AttentionSpec) -> tuple[Path, dict]:
     """The compiled attention for ``spec``, built here first if the cache lacks it."""
-    library = kernel_dir() / f"attention-{KERNEL_VERSION}-float32-{spec.digest()}.so"
+    library = kernel_dir() / f"attention-{KERNEL_VERSION}-float32-{spec_digest(spec)}.so"
     return cached(library, lambda path: _build(spec, path))
 
 

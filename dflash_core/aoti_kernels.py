@@ -71,6 +71,14 @@ def _machine() -> str:
     return f"torch-{torch.__version__.replace('+', '-')}-{digest}"
 
 
+def spec_digest(spec) -> str:
+    """A short name for what a kernel was built for (a dataclass of its shapes and math), for the
+    kernel's file name in the cache."""
+    from dataclasses import asdict
+
+    return hashlib.sha256(json.dumps(asdict(spec), sort_keys=True).encode()).hexdigest()[:12]
+
+
 def kernel_dir() -> Path:
     from .loading import cache_root
 

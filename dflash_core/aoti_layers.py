@@ -19,8 +19,6 @@ as for every kernel, whether rows stay independent of their company.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import re
 import tempfile
@@ -32,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from .aoti_kernels import (INT8_ROWS, VNNI_CANDIDATES, blocked, cached, compile_shared_object, install, kernel_dir,
-                           load_runner, swap_in)
+                           load_runner, spec_digest, swap_in)
 from .families import FusedLayer
 from .kernels import probe_rows
 
@@ -53,8 +51,6 @@ class LayerSpec:
     biases: tuple[str, ...] = ()  # the matrices with a bias
     qk_norm: bool = False
 
-    def digest(self) -> str:
-        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
 
     def shapes(self) -> dict[str, tuple[int, int]]:
         qkv = (self.heads + 2 * self.kv_heads) * self.head_dim
@@ -234,7 +230,7 @@ def _build(spec: LayerSpec, half: str, library: Path) -> dict:
 def layer_library(spec: LayerSpec, half: str) -> tuple[Path, dict]:
     """The compiled ``half`` ("before" or "after" attention) for layers of ``spec``, built here
     first if the cache lacks it."""
-    library = kernel_dir() / f"layer-{half}-{spec.kind}-{spec.digest()}.so"
+    library = kernel_dir() / f"layer-{half}-{spec.kind}-{spec_digest(spec)}.so"
     return cached(library, lambda path: _build(spec, half, path))
 
 

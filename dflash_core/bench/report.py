@@ -148,12 +148,9 @@ def _peer_lines(summary: dict[str, Any]) -> list[str]:
                       f"{_parted(summary, 'llama_cpp')}; fastest variant / llama.cpp: "
                       f"{summary.get('fastest_variant_vs_llama_cpp')}.", ""]
         medians = summary.get("median_prompt_ratio_vs_llama_cpp")  # runs before it was measured lack it
-        if medians:
-            lines += ["| method | decode tokens/s | / llama.cpp | median over prompts of / llama.cpp |", "|---|---|---|---|"]
-            lines += [f"| {m} | {decode.get(m)} | {v} | {medians.get(m)} |" for m, v in vs_llama.items()]
-        else:
-            lines += ["| method | decode tokens/s | / llama.cpp |", "|---|---|---|"]
-            lines += [f"| {m} | {decode.get(m)} | {v} |" for m, v in vs_llama.items()]
+        lines += ["| method | decode tokens/s | / llama.cpp |" + (" median over prompts of / llama.cpp |" if medians else ""),
+                  "|---|---|---|" + ("---|" if medians else "")]
+        lines += [f"| {m} | {decode.get(m)} | {v} |" + (f" {medians.get(m)} |" if medians else "") for m, v in vs_llama.items()]
     shared = summary.get("tau_on_shared_text")
     if shared:
         lines += ["", f"On the {len(shared['prompts'])} prompts where transformers' DFlash text equals ours "

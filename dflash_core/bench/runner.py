@@ -28,6 +28,7 @@ the methods rotates from prompt to prompt, after a warm-up of every method.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from dataclasses import dataclass, field, replace
@@ -254,7 +255,7 @@ def _median_prompt_ratios(records: list[PromptRecord], methods: list[str], peer:
     out: dict[str, float | None] = {}
     for m in methods:
         ratios = [decode_speed(r.runs[m]) / decode_speed(r.runs[peer]) for r in records if m in r.runs and peer in r.runs]
-        ratios = [x for x in ratios if x == x and x not in (float("inf"), float("-inf"))]
+        ratios = [x for x in ratios if math.isfinite(x)]
         out[m] = round(statistics.median(ratios), 4) if ratios else None
     return out
 
