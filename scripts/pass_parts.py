@@ -1,0 +1,87 @@
+"""Where a target pass goes, by part: the figures docs/BENCHMARKS.md cites for the compiled layers.
+
+    python scripts/pass_parts.py --pair smollm2-135m-int8 [--rows 2,16] [--capacity 512] [--out runs/pass_parts]
+
+Loads the pair's target as the engine does, prefills ``--context`` tokens into a cache of
+``--capacity`` positions, then times ``--passes`` passes of each row count in ``--rows`` (2: an
+autoregressive step padded to the multi-row threshold; 16: a verify block), each undone before
+the next so every pass sees the same context. Timers sit around each call of the layers' first
+halves (norm, QKV, rotary), the attention, their second halves (O, MLP) and the LM head; the
+rest of a pass (embedding, cache bookkeeping, Python between the calls) is the pass's time
+minus theirs. Only targets whose layers run compiled (``kernels = "aoti"``) are split this way.
+Prints milliseconds per pass and writes ``<out>/parts.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from dflash_core.engine import Engine
+
+
+def timed(name: str, fn: Callable, totals: Counter) -> Callable:
+    def call(*args, **kwargs):
+        began = time.perf_counter()
+        out = fn(*args, **kwargs)
+        totals[name] += time.perf_counter() - began
+        return out
+
+    return call
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pair", default="smollm2-135m-int8")
+    parser.add_argument("--rows", default="2,16", help="row counts of the passes timed, comma-separated")
+    parser.add_argument("--context", type=int, default=150, help="positions in the cache before the passes")
+    parser.add_argument("--capacity", type=int, default=512)
+    parser.add_argument("--passes", type=int, default=40)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=Path("runs/pass_parts"))
+    opts = parser.parse_args()
+
+    runner = Engine.from_registry(opts.pair).target.runner
+    if not getattr(runner, "compiled_layers", False):
+        parser.error(f"pair {opts.pair}'s layers do not run compiled here ({getattr(runner, 'kernel_note', 'no note')})")
+    totals: Counter = Counter()
+    for layer in runner.layers:
+        layer.before, layer.after = timed("qkv half", layer.before, totals), timed("o and MLP half", layer.after, totals)
+    if runner.attention is not None:
+        runner.attention = timed("attention", runner.attention, totals)
+    runner._lm_head = timed("LM head", runner._lm_head, totals)
+    context = torch.arange(100, 100 + opts.context)
+    results = {"pair": opts.pair, "kernels": runner.kernel_note, "min_rows": runner.min_rows,
+               "capacity": opts.capacity, "context": opts.context, "passes": {}}
+    for rows in (int(r) for r in opts.rows.split(",")):
+        block = torch.arange(300, 300 + rows)
+        rounds = []
+        for r in range(opts.rounds + 1):  # the first round warms up
+            runner.reset(opts.capacity)
+            runner.forward(context, None, last_only=True)
+            totals.clear()
+            began = time.perf_counter()
+            for _ in range(opts.passes):
+                runner.forward(block, None)
+                runner.truncate(opts.context)
+            per_pass = (time.perf_counter() - began) / opts.passes
+            if r:
+                parts = {name: 1e3 * seconds / opts.passes for name, seconds in totals.items()}
+                rounds.append({"pass": 1e3 * per_pass, **parts, "rest": 1e3 * per_pass - sum(parts.values())})
+        median = {key: round(statistics.median(x[key] for x in rounds), 3) for key in rounds[0]}
+        results["passes"][rows] = {"median_ms": median, "rounds_ms": rounds}
+        print(f"{rows} rows: " + ", ".join(f"{key} {value:.2f} ms" for key, value in median.items()), flush=True)
+    opts.out.mkdir(parents=True, exist_ok=True)
+    (opts.out / "parts.json").write_text(json.dumps(results, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
