@@ -440,20 +440,22 @@ def assert_greedy_lossless(runner, model: torch.nn.Module, max_new_tokens: int =
             assert collect(stream(runner, oracle, prompt, cfg)).token_ids == ar.token_ids, (block, "oracle")
 
 
-def assert_greedy_tree_lossless(runner, model: torch.nn.Module, max_new_tokens: int = 40) -> None:
+def assert_greedy_tree_lossless(runner, model: torch.nn.Module, blocks=(4, 16), max_new_tokens: int = 40) -> None:
     """Greedy tree verification == greedy AR on ``runner`` for every prompt of ``PROMPTS`` at
-    block sizes 4 and 16, with a random drafter and with a decoy (``SecondChoiceDrafter``, whose
-    right tokens are on second branches: kept paths that are not the first)."""
+    ``blocks``, with a random drafter and with a decoy (``SecondChoiceDrafter``, whose right
+    tokens are on second branches: kept paths that are not the first); no tree exceeds its block."""
     from dflash_core.speculative import GenerationConfig, collect, stream
 
-    drafter = tiny_drafter(model, layers=1)
+    drafter = tiny_drafter(model)
     for prompt in PROMPTS:
         ar = collect(stream(runner, None, prompt, GenerationConfig(max_new_tokens=max_new_tokens, block_size=1).validated(16)))
         decoy = SecondChoiceDrafter(drafter, list(prompt) + ar.token_ids)
-        for block in (4, 16):
+        for block in blocks:
             cfg = GenerationConfig(max_new_tokens=max_new_tokens, block_size=block, tree=True).validated(16)
             for d in (drafter, decoy):
-                assert collect(stream(runner, d, prompt, cfg)).token_ids == ar.token_ids, (block, type(d).__name__)
+                out = collect(stream(runner, d, prompt, cfg))
+                assert out.token_ids == ar.token_ids, (block, type(d).__name__)
+                assert all(c.tree_nodes <= block - 1 for c in out.cycles)
 
 
 def assert_same_logits(runner, reference, prompt: list[int], tolerance: float) -> None:
