@@ -8,6 +8,12 @@ their positions) -> attention output: the keys and values written into the cache
 the mask and softmax fused between the two products. It is built once per machine and head layout
 into the cache beside ``aoti_kernels``' and shared by all layers (it holds no weights).
 
+A row at position p attends over the cache's first ``span_of(p)`` positions (p rounded up to a
+multiple of ``SPAN``), not the whole capacity: attention's cost grows with the span it reads
+(docs/BENCHMARKS.md), and early in a long answer most of the cache is still empty. The span is a
+function of the row's position alone, the same in every pass that computes that position; a pass
+whose rows straddle a multiple of ``SPAN`` is two calls (``CompiledAttention.runs``).
+
 Its sums are rounded their own way (the fused softmax), so its results are the eager attention's
 only to rounding. What keeps decoding lossless is that every caller runs the same kernel on the
 same layout: a chain's pass over its positions (``FastTarget.positions_pass``), and a draft tree's
@@ -30,9 +36,13 @@ import torch
 from .aoti_kernels import cached, compile_shared_object, install, kernel_dir, load_runner, spec_digest
 
 # In the cached kernel's name: a kernel built by an earlier version (other inputs) is never loaded.
-KERNEL_VERSION = "v2"  # v2: the rows' keys and values are the kernel's inputs, written by it
+KERNEL_VERSION = "v3"  # v2: the rows' keys and values are the kernel's inputs, written by it; v3: spans
 # Set to 0 to run attention eager between the compiled halves (to measure one against the other).
 SWITCH = "DFLASH_AOTI_ATTENTION"
+# A row attends over its position rounded up to this many positions (a divisor of
+# kv_cache.CAPACITY_ALIGN, so that a span never passes a cache's capacity): smaller spans waste
+# fewer columns, but split more passes in two.
+SPAN = 64
 
 
 @dataclass(frozen=True)
@@ -67,36 +77,54 @@ def eager_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, r
 
 def write_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                      rows: torch.Tensor) -> torch.Tensor:
-    """The kernel's math: the rows' keys and values ``k``, ``v`` (T, kv_heads, D) written into one
-    layer's cache at positions ``rows``, then ``eager_attention`` over it (one call, no Python
-    between the writes and the products)."""
+    """The attention's math: the rows' keys and values ``k``, ``v`` (T, kv_heads, D) written into
+    one layer's cache at positions ``rows``, then ``eager_attention`` over it."""
     keys.index_copy_(1, rows, k.transpose(0, 1))
     values.index_copy_(1, rows, v.transpose(0, 1))
     return eager_attention(q, keys, values, rows)
 
 
+def write_and_attend_span(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                          rows: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    """The kernel's math: ``write_and_attend`` with attention over the cache's first
+    ``len(columns)`` positions only (``columns`` is ``arange(span)``; a tensor, so that the span
+    is one of the kernel's dynamic sizes), every row's position below the span."""
+    keys.index_copy_(1, rows, k.transpose(0, 1))
+    values.index_copy_(1, rows, v.transpose(0, 1))
+    span = columns.shape[0]
+    torch._check(span <= keys.shape[1])
+    hidden_mask = ~(columns[None, :] <= rows[:, None])
+    return eager_attention(q, keys[:, :span], values[:, :span], rows, hidden_mask)
+
+
+def span_of(position: int, capacity: int) -> int:
+    """How many cache positions a row at ``position`` attends over (masked beyond its own)."""
+    return min(capacity, (position // SPAN + 1) * SPAN)
+
+
 class _Attention(torch.nn.Module):
-    def forward(self, q, k, v, keys, values, rows):
-        return write_and_attend(q, k, v, keys, values, rows)
+    def forward(self, q, k, v, keys, values, rows, columns):
+        return write_and_attend_span(q, k, v, keys, values, rows, columns)
 
 
-def _example(spec: AttentionSpec, rows: int, capacity: int, generator: torch.Generator) -> tuple:
+def _example(spec: AttentionSpec, rows: int, capacity: int, first: int, generator: torch.Generator) -> tuple:
     q = torch.randn(rows, spec.heads, spec.head_dim, generator=generator) * spec.head_dim**-0.5
     k, v = (torch.randn(rows, spec.kv_heads, spec.head_dim, generator=generator) for _ in range(2))
     keys = torch.randn(spec.kv_heads, capacity, spec.head_dim, generator=generator)
     values = torch.randn(spec.kv_heads, capacity, spec.head_dim, generator=generator)
-    positions = torch.arange(capacity - rows - 3, capacity - 3)
-    return q, k, v, keys, values, positions
+    return q, k, v, keys, values, torch.arange(first, first + rows)
 
 
 def _build(spec: AttentionSpec, library: Path) -> dict:
     rows = torch.export.Dim("rows", min=1, max=1 << 16)
     capacity = torch.export.Dim("capacity", min=2, max=1 << 20)
-    example = _example(spec, 2, 64, torch.Generator().manual_seed(0))
+    span = torch.export.Dim("span", min=2, max=1 << 20)
+    example = (*_example(spec, 2, 128, 30, torch.Generator().manual_seed(0)), torch.arange(64))
     with tempfile.TemporaryDirectory(dir=library.parent) as folder:
         # The products stay ATen's batched matmuls (max-autotune's GEMM templates are for weights).
         staged, _ = compile_shared_object(_Attention().eval(), example, Path(folder), library.name,
-                                          dynamic_shapes=({0: rows}, {0: rows}, {0: rows}, {1: capacity}, {1: capacity}, {0: rows}),
+                                          dynamic_shapes=({0: rows}, {0: rows}, {0: rows}, {1: capacity}, {1: capacity},
+                                                          {0: rows}, {0: span}),
                                           configs={"max_autotune": False})
         return install(staged, library, {"spec": asdict(spec)})
 
@@ -107,17 +135,37 @@ def attention_library(spec: AttentionSpec) -> tuple[Path, dict]:
     return cached(library, lambda path: _build(spec, path))
 
 
+Runs = list[tuple[int, int, torch.Tensor]]
+
+
 class CompiledAttention:
     """``write_and_attend`` through the compiled kernel: the writes exactly, the attention to
-    rounding (see the module's docstring). ``keys`` and ``values`` (one layer's cache) are written
-    in place."""
+    rounding, each row over its own span (see the module's docstring). ``keys`` and ``values``
+    (one layer's cache) are written in place."""
 
     def __init__(self, library: Path) -> None:
         self.runner = load_runner(library)
+        self._columns = torch.arange(0)
+
+    def runs(self, positions: list[int], capacity: int) -> Runs:
+        """The calls for rows at ``positions`` in a cache of ``capacity``: ``(first, end,
+        columns)`` per run of consecutive rows sharing a span (a pass's rows ascend: one run, or
+        two where they straddle a span's end). A pass computes this once for all its layers."""
+        spans = [span_of(p, capacity) for p in positions]
+        if self._columns.shape[0] < max(spans):
+            self._columns = torch.arange(max(spans))
+        bounds = [i for i in range(1, len(spans)) if spans[i] != spans[i - 1]]
+        return [(lo, hi, self._columns[: spans[lo]]) for lo, hi in zip([0, *bounds], [*bounds, len(spans)])]
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                 rows: torch.Tensor) -> torch.Tensor:
-        return self.runner.run([q.contiguous(), k.contiguous(), v.contiguous(), keys, values, rows.contiguous()])[0]
+                 rows: torch.Tensor, runs: Runs | None = None) -> torch.Tensor:
+        if runs is None:
+            runs = self.runs(rows.tolist(), keys.shape[1])
+        q, k, v, rows = q.contiguous(), k.contiguous(), v.contiguous(), rows.contiguous()
+        if len(runs) == 1:
+            return self.runner.run([q, k, v, keys, values, rows, runs[0][2]])[0]
+        return torch.cat([self.runner.run([q[lo:hi], k[lo:hi], v[lo:hi], keys, values, rows[lo:hi], columns])[0]
+                          for lo, hi, columns in runs])
 
 
 def exact_here(attention, spec: AttentionSpec) -> str | None:
@@ -125,11 +173,11 @@ def exact_here(attention, spec: AttentionSpec) -> str | None:
     attention here (None when it may): it must write the rows' keys and values where they belong,
     its results must be the eager ones to fp32 rounding, and each row's must not change with the
     rows beside it in a call (a lone row, and runs of rows, against the same rows among 16, the
-    cache already holding them all), at two capacities."""
+    cache already holding them all), at two capacities, the 16 rows straddling a span's end."""
     generator = torch.Generator().manual_seed(0)
     with torch.inference_mode():
-        for capacity in (64, 320):
-            q, k, v, keys, values, rows = _example(spec, 16, capacity, generator)
+        for capacity in (2 * SPAN, 5 * SPAN):
+            q, k, v, keys, values, rows = _example(spec, 16, capacity, capacity - SPAN - 8, generator)
             want_keys, want_values = keys.clone(), values.clone()
             want = write_and_attend(q, k, v, want_keys, want_values, rows)
             own = attention(q, k, v, keys, values, rows)

@@ -488,8 +488,13 @@ class FastTarget:
         new_rows = rows[:real]
         cos = self.cos[rows]  # (T, heads + kv_heads, D)
         sin = self.sin[rows]
-        attention = self.attention  # aoti_attention's kernel: the writes and the attention in one call
-        if attention is None:
+        compiled = self.attention  # aoti_attention's kernel: the writes and the attention in one call
+        if compiled is not None:
+            runs = compiled.runs(rows.tolist(), cache.capacity)  # the rows' spans, the same in every layer
+
+            def attention(q, k, v, layer_keys, layer_values, rows):
+                return compiled(q, k, v, layer_keys, layer_values, rows, runs)
+        else:
             # Causal mask over the whole cache: query at absolute position p sees keys 0..p.
             hidden_mask = ~(torch.arange(cache.capacity, device=self.device)[None, :] <= rows[:, None])  # (T, cap)
 

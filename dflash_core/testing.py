@@ -486,11 +486,11 @@ def assert_tree_nodes_are_their_paths(runner, prompt: list[int], seeds=range(3),
 
     for seed in seeds:
         tree = depth_first(random_tree(seed))
-        runner.reset(64)
+        runner.reset(len(prompt) + 64)
         runner.forward(torch.tensor(prompt), None)
         out = runner.forward_tree(tree, list(layer_ids))
         for node in range(len(tree)):
-            runner.reset(64)
+            runner.reset(len(prompt) + 64)
             runner.forward(torch.tensor(prompt), None)
             for n in tree.path(node):
                 ref = runner.forward(torch.tensor([tree.tokens[n]]), list(layer_ids))

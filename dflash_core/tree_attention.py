@@ -12,9 +12,9 @@ decoding its path token by token, so greedy tree verification is exactly the tar
 decoding (tested); in fp32 they agree within rounding, as a chain's do.
 
 Where the target's attention is one compiled kernel (``aoti_attention``), whose sums are rounded
-its own way, the tree calls that kernel as a chain does: path by path, on a window of rows at their
-positions, each row handing it the keys and values of the path's node at its depth, which the
-kernel writes into the cache before its products; so each path sees its own nodes at its depths.
+its own way, the tree calls that kernel as a chain does: path by path, on the path's new nodes at
+their positions, whose keys and values the kernel writes into the cache before its products; so
+each path sees its own nodes at its depths.
 """
 
 from __future__ import annotations
@@ -105,26 +105,23 @@ class TreeAttention:
         return turns
 
     def _compiled_attention(self, tree: DraftTree, groups: list, positions: torch.Tensor) -> Callable:
-        """``aoti_attention``'s kernel path by path: each turn's window of rows hands it, for each
-        row, the keys and values of the path's own node at the row's depth where the path reaches
-        it (rows borrowed from other paths rewrite what the path put there), else the row's own
-        (deeper than the path: no row of this turn, nor the next path's ancestors, sit there); the
-        kernel writes them into the cache, then attends, as on a chain's rows."""
+        """``aoti_attention``'s kernel path by path, on each path's new nodes (depth-first, the
+        path before it left exactly this path's ancestors in the cache at their depths): the
+        kernel writes their keys and values at their depths, then attends, as on a chain's rows.
+        Its rows are independent of their company (its probe), so no row is borrowed."""
         target, compiled = self.target, self.target.attention
-        keys, values = target.cache.k, target.cache.v
+        keys, values, capacity = target.cache.k, target.cache.v, target.cache.capacity
         t, real = positions.shape[0], len(tree)
-        row_depths = list(tree.depths) + [tree.depths[-1]] * (t - real)
-        sources, windows = [], []
-        for (path, _), (_, lo, a, b, hi) in zip(groups, self._turns(tree, [nodes for _, nodes in groups], t)):
-            windows.append((lo, a, b, hi, slice(len(sources), len(sources) + hi - lo), positions[lo:hi]))
-            sources += [path[row_depths[r]] if row_depths[r] < len(path) else r for r in range(lo, hi)]
-        sources = torch.tensor(sources, device=target.device)
+        turns = []
+        for _, nodes in groups:
+            a, b = nodes[0], nodes[-1] + 1
+            at = positions[a:b].contiguous()
+            turns.append((a, b, at, compiled.runs(at.tolist(), capacity)))
 
         def attend(li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             att = torch.empty(t, q.shape[1] * q.shape[2], dtype=target.dtype, device=target.device)
-            k_rows, v_rows = k.index_select(0, sources), v.index_select(0, sources)
-            for lo, a, b, hi, rows, at in windows:
-                att[a:b] = compiled(q[lo:hi], k_rows[rows], v_rows[rows], keys[li], values[li], at)[a - lo : b - lo]
+            for a, b, at, runs in turns:
+                att[a:b] = compiled(q[a:b], k[a:b], v[a:b], keys[li], values[li], at, runs)
             if t > real:  # padding rows: copies of the last node
                 att[real:] = att[real - 1 : real]
             return att

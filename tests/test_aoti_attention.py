@@ -16,12 +16,12 @@ from dflash_core.testing import tiny_target, two_shape_llama
 SPEC = AttentionSpec(heads=4, kv_heads=2, head_dim=16)
 
 
-def _inputs(t: int = 5, cap: int = 32):
+def _inputs(t: int = 5, cap: int = 32, first: int = 10):
     g = torch.Generator().manual_seed(1)
     q = torch.randn(t, SPEC.heads, SPEC.head_dim, generator=g)
     keys = torch.randn(SPEC.kv_heads, cap, SPEC.head_dim, generator=g)
     values = torch.randn(SPEC.kv_heads, cap, SPEC.head_dim, generator=g)
-    return q, keys, values, torch.arange(10, 10 + t)
+    return q, keys, values, torch.arange(first, first + t)
 
 
 def test_eager_attention_is_causal_attention_over_the_cache_up_to_each_position():
@@ -65,6 +65,18 @@ def test_write_and_attend_writes_the_rows_then_attends_over_them():
     assert torch.equal(got, eager_attention(q, want_keys, want_values, rows))
 
 
+def test_a_rows_span_is_its_position_rounded_up_and_a_pass_splits_where_the_span_changes():
+    span = aoti_attention.SPAN
+    assert [aoti_attention.span_of(p, 8 * span) for p in (0, span - 1, span, 3 * span + 5)] == [span, span, 2 * span, 4 * span]
+    assert aoti_attention.span_of(5 * span, 5 * span + 16) == 5 * span + 16  # never past the cache
+    kernel = object.__new__(aoti_attention.CompiledAttention)  # runs() needs no kernel
+    kernel._columns = torch.arange(0)
+    runs = kernel.runs(list(range(span - 3, span + 2)), 4 * span)
+    assert [(lo, hi, columns.tolist()) for lo, hi, columns in runs] == [
+        (0, 3, list(range(span))), (3, 5, list(range(2 * span)))]
+    assert [(lo, hi, len(c)) for lo, hi, c in kernel.runs([7, 8], 4 * span)] == [(0, 2, span)]
+
+
 def test_the_switch_and_the_target_decide_before_anything_is_built(monkeypatch):
     monkeypatch.setattr(aoti_attention, "attention_library", lambda spec: pytest.fail("nothing is built"))
     monkeypatch.setenv(aoti_attention.SWITCH, "0")
@@ -100,5 +112,12 @@ def test_the_built_kernel_is_the_eager_attention_to_rounding_and_loads_from_the_
     want = write_and_attend(q, k, v, want_keys, want_values, rows)
     torch.testing.assert_close(kernel(q, k, v, keys, values, rows), want, rtol=1e-4, atol=1e-5)
     assert torch.equal(keys, want_keys) and torch.equal(values, want_values)  # written in place
+    # Rows on both sides of a span's end: two calls, each row over its own span, the same numbers.
+    q, keys, values, rows = _inputs(t=7, cap=3 * aoti_attention.SPAN, first=aoti_attention.SPAN - 4)
+    want_keys, want_values = keys.clone(), values.clone()
+    want = write_and_attend(q, k, v, want_keys, want_values, rows)
+    assert len(kernel.runs(rows.tolist(), keys.shape[1])) == 2
+    torch.testing.assert_close(kernel(q, k, v, keys, values, rows), want, rtol=1e-4, atol=1e-5)
+    assert torch.equal(keys, want_keys) and torch.equal(values, want_values)
     stamp = library.stat().st_mtime_ns
     assert aoti_attention.attention_library(SPEC)[0].stat().st_mtime_ns == stamp

@@ -11,7 +11,7 @@ import torch
 from dflash_core import aoti_attention, aoti_kernels, aoti_layers
 from dflash_core.target import FastTarget
 from dflash_core.testing import (PROMPTS, assert_greedy_lossless, assert_greedy_tree_lossless, assert_same_logits,
-                                 assert_tree_nodes_are_their_paths, tiny_target, two_shape_llama)
+                                 assert_tree_nodes_are_their_paths, tiny_drafter, tiny_target, two_shape_llama)
 
 pytestmark = pytest.mark.skipif(not aoti_kernels.available(), reason="no C++ compiler or AOTInductor here")
 
@@ -90,21 +90,55 @@ def test_compiled_layers_are_the_eager_ones_and_lossless(weights, kernel_cache, 
     eager = FastTarget(model, weights=weights)
     if eager.weight_format == runner.weight_format:
         assert_same_logits(runner, eager, PROMPTS[0], 1e-4 if kind == "float32" else 2e-2)
-    assert_greedy_lossless(runner, model)
+    # 90 new tokens: passes whose rows straddle an attention span's end (aoti_attention.SPAN) too.
+    assert_greedy_lossless(runner, model, max_new_tokens=90)
     # The tree pass (the fastest variant's) runs the compiled halves too: each node's numbers are
-    # its path's, decoded token by token, with per-path value copies and with paths in turn.
-    # With the compiled attention every path takes its turn in the cache.
+    # its path's, decoded token by token; with the compiled attention every path takes its turn
+    # in the cache. After 60 prompt tokens, paths straddle a span's end.
     assert_tree_nodes_are_their_paths(runner, PROMPTS[0][:-1], seeds=range(3))
-    # Where a CPU pads passes to more rows, each path's window borrows more rows of other paths
-    # (and of none, past the last): they must rewrite the path's own keys and values.
+    assert_tree_nodes_are_their_paths(runner, list(range(4, 64)), seeds=range(3))
+    # Where a CPU pads passes to more rows, the padding rows copy the last node.
     probed, runner.min_rows = runner.min_rows, 5
     assert_tree_nodes_are_their_paths(runner, PROMPTS[0][:-1], seeds=range(4))
     runner.min_rows = probed
-    assert_greedy_tree_lossless(runner, model)
+    assert_greedy_tree_lossless(runner, model, max_new_tokens=90)
+    assert_each_row_attends_over_its_own_span(runner, model)
     # A second target loads the built kernels: nothing is rebuilt.
     stamps = {p: p.stat().st_mtime_ns for p in kernel_cache.rglob("layer-*.so")}
     again = FastTarget(model, weights=weights, kernels="aoti")
     assert again.kernels == "aoti" and {p: p.stat().st_mtime_ns for p in kernel_cache.rglob("layer-*.so")} == stamps
+
+
+class RecordingRunner:
+    """An attention kernel's runner that records, per call, its rows' positions, its span and the
+    cache's capacity."""
+
+    def __init__(self, runner) -> None:
+        self.inner, self.calls = runner, []
+
+    def run(self, args: list) -> list:
+        self.calls.append((args[5].tolist(), args[6].shape[0], args[3].shape[1]))
+        return self.inner.run(args)
+
+
+def assert_each_row_attends_over_its_own_span(runner, model) -> None:
+    """In chains, trees and autoregressive steps alike, every call of the attention kernel spans
+    ``span_of`` its rows' positions: the one thing that keeps a row's numbers those of its position
+    whatever pass computes it, on a CPU where spans change the rounding (not every CPU's does)."""
+    from dflash_core.speculative import GenerationConfig, collect, stream
+
+    recorder = runner.attention.runner = RecordingRunner(runner.attention.runner)
+    try:
+        drafter = tiny_drafter(model)
+        for cfg in (GenerationConfig(max_new_tokens=90, block_size=1), GenerationConfig(max_new_tokens=90, block_size=16),
+                    GenerationConfig(max_new_tokens=90, block_size=16, tree=True)):
+            collect(stream(runner, drafter, PROMPTS[2], cfg.validated(16)))
+    finally:
+        runner.attention.runner = recorder.inner
+    spans = {span for _, span, _ in recorder.calls}
+    assert {aoti_attention.SPAN, 2 * aoti_attention.SPAN} <= spans, spans
+    for rows, span, capacity in recorder.calls:
+        assert {aoti_attention.span_of(p, capacity) for p in rows} == {span}, (rows, span)
 
 
 @pytest.mark.slow
