@@ -66,11 +66,27 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     return torch.searchsorted(cdf, point, right=True).view(probs.shape[:-1])
 
 
+# Columns per block of ``argmax``'s first step.
+ARGMAX_BLOCK = 128
+
+
 def argmax(logits: torch.Tensor) -> torch.Tensor:
-    """The greedy choice of every row. In float32: widening is exact, so the index (ties to the
-    first) is the same, and on this CPU argmax over bf16 rows is ~4x slower (1.06 ms against
-    0.28 for 12 rows of 49,152 logits, conversion included)."""
-    return logits.float().argmax(-1)
+    """The greedy choice of every row (ties to the first index, NaN as ATen's argmax does).
+
+    In float32: widening is exact, so the index is the same, and argmax over bf16 rows is slower.
+    ATen's argmax over a long row runs one element at a time while its ``amax`` is vectorized
+    (docs/BENCHMARKS.md: 16 rows of 49,152 logits, a verify block's), so where the vocabulary is
+    a multiple of ``ARGMAX_BLOCK`` it goes in two steps: every block's maximum, the first block
+    holding the row's maximum, then the first maximum within that block: ATen's index, since no
+    earlier block holds a value as large."""
+    x = logits.float()
+    vocab = x.shape[-1]
+    if vocab % ARGMAX_BLOCK or vocab == ARGMAX_BLOCK:
+        return x.argmax(-1)
+    blocks = x.reshape(-1, vocab // ARGMAX_BLOCK, ARGMAX_BLOCK)
+    first = blocks.amax(-1).argmax(-1)
+    within = blocks[torch.arange(blocks.shape[0], device=x.device), first].argmax(-1)
+    return (first * ARGMAX_BLOCK + within).view(x.shape[:-1])
 
 
 @dataclass(frozen=True)

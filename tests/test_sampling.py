@@ -93,14 +93,21 @@ def test_greedy_rule_is_the_argmax_prefix():
     assert (out.num_accepted, out.bonus, out.target_choices) == (2, 2, [1, 0, 2, 0])
 
 
-def test_argmax_is_the_model_dtypes_argmax_ties_included():
+@pytest.mark.parametrize("vocab", [300, 4 * acceptance.ARGMAX_BLOCK, 384 * acceptance.ARGMAX_BLOCK])
+def test_argmax_is_the_model_dtypes_argmax_ties_included(vocab):
+    # 300: ATen's argmax itself; multiples of the block: the two-step argmax, which must agree.
     g = torch.Generator().manual_seed(0)
     # Few distinct bf16 values per row, so most rows have a tied maximum somewhere.
-    logits = (torch.randint(0, 6, (64, 300), generator=g) * 0.37).to(torch.bfloat16)
-    logits[5, [7, 9, 200]] = 9.0
+    logits = (torch.randint(0, 6, (64, vocab), generator=g) * 0.37).to(torch.bfloat16)
+    logits[5, [7, 9, 200]] = 9.0  # ties within a block and across blocks: the first wins
     logits[6, -1] = float("nan")  # NaN wins in both
+    logits[7, [3, 250]] = float("nan")
+    logits[8] = float("-inf")
+    logits[9, 250] = 1e30
     assert torch.equal(acceptance.argmax(logits), logits.argmax(-1))
     assert int(acceptance.argmax(logits)[5]) == 7
+    assert torch.equal(acceptance.argmax(logits[3]), logits[3].argmax(-1))  # one row, no batch dimension
+    assert acceptance.argmax(logits[:2].float()).shape == (2,)
 
 
 def test_warp_applies_top_k_and_top_p():
