@@ -150,11 +150,18 @@ def _constants_of(source: str) -> dict[str, tuple[int, ...]]:
 
 
 def _assign(spec: LayerSpec, half: str, declared: dict[str, tuple[int, ...]], fqns: dict[str, str]) -> list[dict]:
-    """Where each of the kernel's constants comes from: a parameter of the half (by its name) or a
-    matrix's weight in the blocked layout (by shape; matrices of one shape in the graph's order)."""
-    params = dict(_half(spec, half).named_parameters()) | dict(_half(spec, half).named_buffers())
+    """``assign_constants`` for a layer half of ``spec``."""
     shapes = spec.shapes()
-    open_matrices = list(MATRICES[half])
+    return assign_constants(_half(spec, half), {m: shapes[m] for m in MATRICES[half]}, declared, fqns)
+
+
+def assign_constants(module: torch.nn.Module, matrices: dict[str, tuple[int, int]], declared: dict[str, tuple[int, ...]],
+                     fqns: dict[str, str]) -> list[dict]:
+    """Where each of a kernel's constants comes from: a parameter of ``module`` (by its name) or
+    the weight of one of its ``matrices`` (name -> (out, in) features) in the blocked layout (by
+    shape; matrices of one shape in the graph's order)."""
+    params = dict(module.named_parameters()) | dict(module.named_buffers())
+    open_matrices = list(matrices)
     plan = []
     for name in sorted(declared, key=lambda n: (not n.startswith("constant"), int(n[8:]) if n[8:].isdigit() else 0, n)):
         fqn = fqns.get(name, name)
@@ -162,7 +169,7 @@ def _assign(spec: LayerSpec, half: str, declared: dict[str, tuple[int, ...]], fq
             plan.append({"name": name, "source": fqn, "block": None})
             continue
         shape = declared[name]
-        match = [m for m in open_matrices if len(shape) == 3 and shapes[m] == (shape[0] * shape[2], shape[1])]
+        match = [m for m in open_matrices if len(shape) == 3 and matrices[m] == (shape[0] * shape[2], shape[1])]
         if not match:
             raise RuntimeError(f"the kernel's constant {name} {shape} is neither a parameter nor a blocked matrix")
         open_matrices.remove(match[0])
@@ -202,18 +209,27 @@ def _random_params(module: torch.nn.Module, generator: torch.Generator) -> dict[
 
 
 def _build(spec: LayerSpec, half: str, library: Path) -> dict:
-    module = _half(spec, half)
+    shapes = spec.shapes()
+    return build_kernel(_half(spec, half), lambda rows, generator=None: _example(spec, half, rows, generator),
+                        {m: shapes[m] for m in MATRICES[half]}, spec.kind, library, {"spec": asdict(spec)})
+
+
+def build_kernel(module: torch.nn.Module, example: Callable[..., tuple], matrices: dict[str, tuple[int, int]], kind: str,
+                 library: Path, meta: dict, dynamic_shapes: tuple | None = None) -> dict:
+    """``module`` (holding ``matrices``, name -> (out, in) features, as ``_Matrix`` of ``kind``)
+    compiled into ``library`` with its constants' plan; ``example(rows, generator=None)`` gives
+    inputs. The plan is proven on random weights against the eager module before it is installed."""
     with tempfile.TemporaryDirectory(dir=library.parent) as folder:
-        staged, source = compile_shared_object(module, _example(spec, half, 2), Path(folder), library.name)
+        staged, source = compile_shared_object(module, example(2), Path(folder), library.name, dynamic_shapes=dynamic_shapes)
         runner = load_runner(staged)
-        plan = _assign(spec, half, _constants_of(source), dict(runner.get_constant_names_to_original_fqns()))
+        plan = assign_constants(module, matrices, _constants_of(source), dict(runner.get_constant_names_to_original_fqns()))
         # The plan proven on random weights against the eager half, with the matrices' rows of K
         # interleaved as the GEMM reads them (``aoti_kernels.VNNI_CANDIDATES``: AMX's VNNI layout).
         generator = torch.Generator().manual_seed(0)
         params = _random_params(module, generator)
-        example = _example(spec, half, 5, generator)
+        inputs = example(5, generator)
         with torch.inference_mode():
-            want = module(*example)
+            want = module(*inputs)
         want = want if isinstance(want, tuple) else (want,)
         for vnni in VNNI_CANDIDATES:
             plan = [{**c, "vnni": vnni} if c["block"] is not None else c for c in plan]
@@ -221,9 +237,9 @@ def _build(spec: LayerSpec, half: str, library: Path) -> dict:
                 continue
             swap_in(runner, _constants(plan, params))
             with torch.inference_mode():
-                got = runner.run(list(example))
-            if len(got) == len(want) and all(_close(g, w, spec.kind) for g, w in zip(got, want)):
-                return install(staged, library, {"spec": asdict(spec), "constants": plan})
+                got = runner.run(list(inputs))
+            if len(got) == len(want) and all(_close(g, w, kind) for g, w in zip(got, want)):
+                return install(staged, library, {**meta, "constants": plan})
         raise RuntimeError("the compiled layer's results are not the eager layer's")
 
 

@@ -603,8 +603,12 @@ class DrafterLayer(nn.Module):
         self.mlp = DrafterMLP(q.hidden_size, q.intermediate_size)
         self.input_layernorm = RMSNorm(q.hidden_size, q.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(q.hidden_size, q.rms_norm_eps)
+        self.compiled = None  # aoti_drafter.CompiledDrafterLayer: its decode passes compiled
 
     def forward(self, x, context, rope_block, rope_context, mask, cache, layer_index, positions=None):  # noqa: ANN001, D102
+        if self.compiled is not None and self.compiled.handles(x, context, mask, cache):
+            return self.compiled(x, context, rope_block, rope_context, cache, layer_index,
+                                 None if positions is None else positions[1])
         # As in z-lab's layer: the context is *not* normalised by input_layernorm (hidden_norm
         # already did that once for all layers).
         x = x + self.self_attn(self.input_layernorm(x), context, rope_block, rope_context, mask, cache, layer_index,

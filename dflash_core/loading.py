@@ -344,9 +344,12 @@ def load_drafter(
     drafter.pack_for_inference()
     runner = target.runner
     if getattr(runner, "kernels", "onednn") == "aoti":  # the drafter on the target's kernels
+        from .aoti_drafter import compile_drafter_layers
         from .aoti_kernels import drafter_kernels
 
-        _say(progress, f"Drafter kernels: {drafter_kernels(drafter, getattr(runner, 'weight_format', 'bf16') == 'int8')}")
+        int8 = getattr(runner, "weight_format", "bf16") == "int8"
+        matrices = drafter_kernels(drafter, int8)  # first: the compiled layers' probe compares with these
+        _say(progress, f"Drafter kernels: {matrices}; {compile_drafter_layers(drafter, int8)}")
     return drafter
 
 
