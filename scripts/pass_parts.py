@@ -9,6 +9,7 @@ the next so every pass sees the same context. Timers sit around each call of the
 halves (norm, QKV, rotary), the attention, their second halves (O, MLP) and the LM head; the
 rest of a pass (embedding, cache bookkeeping, Python between the calls) is the pass's time
 minus theirs. Only targets whose layers run compiled (``kernels = "aoti"``) are split this way.
+Then the greedy choice of a pass's tokens (``acceptance.argmax``) beside ATen's argmax, timed apart.
 Prints milliseconds per pass and writes ``<out>/parts.json``.
 """
 
@@ -24,6 +25,7 @@ from typing import Callable
 
 import torch
 
+from dflash_core.acceptance import argmax
 from dflash_core.engine import Engine
 
 
@@ -35,6 +37,14 @@ def timed(name: str, fn: Callable, totals: Counter) -> Callable:
         return out
 
     return call
+
+
+def _seconds(fn: Callable, repeats: int) -> float:
+    """Seconds per call of ``fn``, over ``repeats`` calls."""
+    began = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    return (time.perf_counter() - began) / repeats
 
 
 class TimedRunner:
@@ -83,6 +93,11 @@ def main() -> int:
                 parts = {name: 1e3 * seconds / opts.passes for name, seconds in totals.items()}
                 rounds.append({"pass": 1e3 * per_pass, **parts, "rest": 1e3 * per_pass - sum(parts.values())})
         median = {key: round(statistics.median(x[key] for x in rounds), 3) for key in rounds[0]}
+        # After the pass, the greedy choice of its tokens (acceptance.argmax) against ATen's argmax.
+        logits = runner.forward(block, None).logits
+        median |= {name: round(1e3 * statistics.median(_seconds(lambda: choose(logits), opts.passes)
+                                                       for _ in range(opts.rounds)), 3)
+                   for name, choose in (("greedy choice", argmax), ("ATen argmax", lambda x: x.float().argmax(-1)))}
         results["passes"][rows] = {"median_ms": median, "rounds_ms": rounds}
         print(f"{rows} rows: " + ", ".join(f"{key} {value:.2f} ms" for key, value in median.items()), flush=True)
     opts.out.mkdir(parents=True, exist_ok=True)
