@@ -90,6 +90,12 @@ def test_compiled_layers_are_the_eager_ones_and_lossless(weights, kernel_cache, 
     eager = FastTarget(model, weights=weights)
     if eager.weight_format == runner.weight_format:
         assert_same_logits(runner, eager, PROMPTS[0], 1e-4 if kind == "float32" else 2e-2)
+        # A prompt of 170 positions: one pass whose rows span three attention spans (three calls).
+        long = torch.tensor(list(range(4, 89)) * 2)
+        for r in (runner, eager):
+            r.reset(256)
+        got, want = runner.forward(long, None).logits, eager.forward(long, None).logits
+        assert (got - want).norm() <= (1e-4 if kind == "float32" else 2e-2) * want.norm()
     # 90 new tokens: passes whose rows straddle an attention span's end (aoti_attention.SPAN) too.
     assert_greedy_lossless(runner, model, max_new_tokens=90)
     # The tree pass (the fastest variant's) runs the compiled halves too: each node's numbers are
