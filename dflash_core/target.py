@@ -506,17 +506,38 @@ class FastTarget:
         feats: list[torch.Tensor | None] = [None] * len(wanted)
 
         x = F.embedding(ids, self.embed_weight)  # (T, H)
-        for li, layer in enumerate(self.layers):
-            q, k, v = self.attention_inputs(layer, x, cos, sin)
-            # The compiled kernel writes the padding rows too: at the last real row's position,
-            # the same keys and values (the same token there, rows independent of their company).
-            x = self.finish_layer(layer, x, attention(q, k, v, keys[li], values[li], rows))
-            if li in wanted:
-                feats[wanted[li]] = x[:real]
+        if compiled is not None and len(runs) == 1:
+            x = self._compiled_layers(x, cos, sin, rows, runs[0][2], wanted, feats, real)
+        else:
+            for li, layer in enumerate(self.layers):
+                q, k, v = self.attention_inputs(layer, x, cos, sin)
+                # The compiled kernel writes the padding rows too: at the last real row's position,
+                # the same keys and values (the same token there, rows independent of their company).
+                x = self.finish_layer(layer, x, attention(q, k, v, keys[li], values[li], rows))
+                if li in wanted:
+                    feats[wanted[li]] = x[:real]
         x = x[:real]
         logits = self.logits(x[-1:] if last_only else x)
         features = torch.cat(feats, dim=-1) if feats else None
         return TargetOutput(logits, features)
+
+    def _compiled_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: torch.Tensor,
+                         columns: torch.Tensor, wanted: dict[int, int], feats: list, real: int) -> torch.Tensor:
+        """``positions_pass``'s layer loop where the layers and attention run compiled and its rows
+        share one span: the same kernels on the same inputs as ``attention_inputs``,
+        ``self.attention`` and ``finish_layer``, called straight through their runners (the Python
+        between kernels is a measurable part of a pass on a small model: docs/BENCHMARKS.md).
+        AOTInductor reads its inputs as contiguous, hence the ``contiguous`` calls (free where
+        they already are)."""
+        attend = self.attention.runner.run
+        keys, values = self.cache.k, self.cache.v
+        for li, layer in enumerate(self.layers):
+            q, k, v = layer.before.runner.run([x, cos, sin])
+            att = attend([q.contiguous(), k.contiguous(), v.contiguous(), keys[li], values[li], rows, columns])[0]
+            x = layer.after.runner.run([x, att.contiguous()])[0]
+            if li in wanted:
+                feats[wanted[li]] = x[:real]
+        return x
 
     @torch.inference_mode()
     def stacked_features(self, sequences: Sequence[torch.Tensor], layer_ids: Sequence[int]) -> list[torch.Tensor]:

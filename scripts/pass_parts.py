@@ -48,10 +48,10 @@ def _seconds(fn: Callable, repeats: int) -> float:
 
 
 class TimedRunner:
-    """An AOTInductor runner whose ``run`` is timed as "attention"."""
+    """An AOTInductor runner whose ``run`` is timed as ``name``."""
 
-    def __init__(self, runner, totals: Counter) -> None:
-        self.run = timed("attention", runner.run, totals)
+    def __init__(self, runner, name: str, totals: Counter) -> None:
+        self.run = timed(name, runner.run, totals)
 
 
 def main() -> int:
@@ -69,10 +69,12 @@ def main() -> int:
     if not getattr(runner, "compiled_layers", False):
         parser.error(f"pair {opts.pair}'s layers do not run compiled here ({getattr(runner, 'kernel_note', 'no note')})")
     totals: Counter = Counter()
+    # The kernels' runners are timed (the engine may call them directly or through their wrappers).
     for layer in runner.layers:
-        layer.before, layer.after = timed("qkv half", layer.before, totals), timed("o and MLP half", layer.after, totals)
-    if runner.attention is not None:  # the kernel's calls (a pass straddling a span's end makes two)
-        runner.attention.runner = TimedRunner(runner.attention.runner, totals)
+        layer.before.runner = TimedRunner(layer.before.runner, "qkv half", totals)
+        layer.after.runner = TimedRunner(layer.after.runner, "o and MLP half", totals)
+    if runner.attention is not None:  # a pass straddling a span's end makes two calls
+        runner.attention.runner = TimedRunner(runner.attention.runner, "attention", totals)
     runner._lm_head = timed("LM head", runner._lm_head, totals)
     context = torch.arange(100, 100 + opts.context)
     results = {"pair": opts.pair, "kernels": runner.kernel_note, "min_rows": runner.min_rows,
