@@ -5,8 +5,10 @@ Two runners share one small interface (``TargetRunner``):
 * ``FastTarget`` — our own forward for the families ``families.py`` has an adapter for (Llama,
   Qwen2, Qwen3, Mistral without a sliding window), whose weights it fuses (one QKV and one
   gate/up matmul per layer). The KV cache is position-indexed (``kv_cache.py``: rolling back is
-  forgetting a length; rejected slots are overwritten later), and attention always spans the
-  whole cache with a causal mask. That last choice makes the computation *batch invariant*: the
+  forgetting a length; rejected slots are overwritten later), and a row's attention spans the
+  whole cache (the compiled attention: the row's position rounded up, ``aoti_attention.span_of``),
+  with a causal mask: a span set by the position alone, never by the pass. That last choice makes
+  the computation *batch invariant*: the
   logits of a position are bit-for-bit the same in bf16 whether the position is verified alone
   (autoregressive decoding) or inside a block of 16, so greedy DFlash reproduces the engine's own
   greedy autoregressive output exactly (tested). That rests on the matrix kernels giving a row
