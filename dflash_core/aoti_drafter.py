@@ -160,27 +160,31 @@ def _params(layer, kind: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.
     return before, after
 
 
+def _rotary(positions: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) tables of some rotation for ``positions``, (1, T, dim), as the drafter's rotary gives."""
+    angles = positions[:, None] * 0.1 + torch.arange(dim // 2)[None] * 0.01
+    angles = torch.cat((angles, angles), dim=-1)[None]
+    return angles.cos(), angles.sin()
+
+
 def _probe(layer, compiled: CompiledDrafterLayer, kind: str) -> bool:
-    """The compiled layer against the eager one on random rows: a decode pass's call, twice (the
-    prompt's context, then a cycle's), each on its own fresh cache."""
+    """The compiled layer against the eager one (as it runs: its matrices through the kernels
+    ``drafter_kernels`` gave them) on random rows: a decode pass's call twice, the prompt's context
+    then a cycle's, each on its own fresh cache. Compared: what the layer adds to its residual."""
     from .drafter import DrafterCache
 
     generator = torch.Generator().manual_seed(0)
-    hidden = layer.self_attn.q_proj.in_features
-    rotary_dim = layer.self_attn.head_dim
+    hidden, dim = layer.self_attn.q_proj.in_features, layer.self_attn.head_dim
     caches = DrafterCache(1), DrafterCache(1)
-    block_pos = torch.arange(20, 36)
+    rope_block = _rotary(torch.arange(20, 36), dim)
     with torch.inference_mode():
         for context_rows, first in ((20, 0), (3, 17)):
             x = torch.randn(1, 16, hidden, generator=generator)
             context = torch.randn(1, context_rows, hidden, generator=generator)
-            angles = torch.arange(first, first + context_rows)[:, None] * 0.1 + torch.arange(rotary_dim // 2)[None] * 0.01
-            angles = torch.cat((angles, angles), dim=-1)[None]
-            block_angles = torch.cat(((block_pos[:, None] * 0.1 + torch.arange(rotary_dim // 2)[None] * 0.01),) * 2, dim=-1)[None]
-            rope_block, rope_context = (block_angles.cos(), block_angles.sin()), (angles.cos(), angles.sin())
+            rope_context = _rotary(torch.arange(first, first + context_rows), dim)
             want = layer(x, context, rope_block, rope_context, None, caches[0], 0)
             got = compiled(x, context, rope_block, rope_context, caches[1], 0, None)
-            if not _close(got - x, want - x, kind):  # the layer's own part, not the residual it adds to
+            if not _close(got - x, want - x, kind):
                 return False
     return True
 
@@ -188,7 +192,8 @@ def _probe(layer, compiled: CompiledDrafterLayer, kind: str) -> bool:
 def compile_drafter_layers(drafter, int8: bool) -> str:
     """Each of ``drafter``'s layers with its decode passes compiled (``DrafterLayer.compiled``),
     and a note for the load log; where the switch, the drafter, a build or the probe refuses, the
-    layers stay eager and the note says why."""
+    layers stay eager and the note says why. Call it after ``aoti_kernels.drafter_kernels``: the
+    probe compares with the layers as they then run (int8 matrices round as the kernels do)."""
     if os.environ.get(SWITCH, "1") == "0":
         return f"layers eager (turned off, {SWITCH}=0)"
     params = list(drafter.parameters())
