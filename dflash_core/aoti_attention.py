@@ -17,8 +17,8 @@ whose rows straddle a multiple of ``SPAN`` is two calls (``CompiledAttention.run
 Its sums are rounded their own way (the fused softmax), so its results are the eager attention's
 only to rounding. What keeps decoding lossless is that every caller runs the same kernel on the
 same layout: a chain's pass over its positions (``FastTarget.positions_pass``), and a draft tree's
-pass path by path (``tree_attention``: each path's rows hand it the path's keys and values at its
-depths), so every node's arithmetic is the chain's. That holds only if a row's result does not
+pass path by path (``tree_attention``: each path's new nodes, its ancestors already in the cache at
+their depths), so every node's arithmetic is the chain's. That holds only if a row's result does not
 depend on the rows beside it in a call: a probe checks that here (a lone row, and runs of rows,
 against the same rows in one call) and against the eager math, and FastTarget's min-rows probe
 then covers the whole pass; otherwise attention stays eager and the load log says why.
@@ -54,7 +54,6 @@ class AttentionSpec:
     head_dim: int
 
 
-
 def eager_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor,
                     hidden_mask: torch.Tensor | None = None) -> torch.Tensor:
     """``FastTarget.positions_pass``'s attention for one layer: queries ``q`` (T, heads, D),
@@ -78,10 +77,8 @@ def eager_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, r
 def write_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                      rows: torch.Tensor) -> torch.Tensor:
     """The attention's math: the rows' keys and values ``k``, ``v`` (T, kv_heads, D) written into
-    one layer's cache at positions ``rows``, then ``eager_attention`` over it."""
-    keys.index_copy_(1, rows, k.transpose(0, 1))
-    values.index_copy_(1, rows, v.transpose(0, 1))
-    return eager_attention(q, keys, values, rows)
+    one layer's cache at positions ``rows``, then ``eager_attention`` over the whole cache."""
+    return write_and_attend_span(q, k, v, keys, values, rows, torch.arange(keys.shape[1], device=keys.device))
 
 
 def write_and_attend_span(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,

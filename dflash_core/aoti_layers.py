@@ -51,7 +51,6 @@ class LayerSpec:
     biases: tuple[str, ...] = ()  # the matrices with a bias
     qk_norm: bool = False
 
-
     def shapes(self) -> dict[str, tuple[int, int]]:
         qkv = (self.heads + 2 * self.kv_heads) * self.head_dim
         return {"qkv": (qkv, self.hidden), "o": (self.hidden, self.heads * self.head_dim),
@@ -149,10 +148,15 @@ def _constants_of(source: str) -> dict[str, tuple[int, ...]]:
     return {names[i]: tuple(int(v) for v in shapes[i].split(",") if v.strip()) for i in names}
 
 
+def _matrices(spec: LayerSpec, half: str) -> dict[str, tuple[int, int]]:
+    """The matrices of a layer half of ``spec``, name -> (out, in) features."""
+    shapes = spec.shapes()
+    return {m: shapes[m] for m in MATRICES[half]}
+
+
 def _assign(spec: LayerSpec, half: str, declared: dict[str, tuple[int, ...]], fqns: dict[str, str]) -> list[dict]:
     """``assign_constants`` for a layer half of ``spec``."""
-    shapes = spec.shapes()
-    return assign_constants(_half(spec, half), {m: shapes[m] for m in MATRICES[half]}, declared, fqns)
+    return assign_constants(_half(spec, half), _matrices(spec, half), declared, fqns)
 
 
 def assign_constants(module: torch.nn.Module, matrices: dict[str, tuple[int, int]], declared: dict[str, tuple[int, ...]],
@@ -209,9 +213,8 @@ def _random_params(module: torch.nn.Module, generator: torch.Generator) -> dict[
 
 
 def _build(spec: LayerSpec, half: str, library: Path) -> dict:
-    shapes = spec.shapes()
     return build_kernel(_half(spec, half), lambda rows, generator=None: _example(spec, half, rows, generator),
-                        {m: shapes[m] for m in MATRICES[half]}, spec.kind, library, {"spec": asdict(spec)})
+                        _matrices(spec, half), spec.kind, library, {"spec": asdict(spec)})
 
 
 def build_kernel(module: torch.nn.Module, example: Callable[..., tuple], matrices: dict[str, tuple[int, int]], kind: str,
