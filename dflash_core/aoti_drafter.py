@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from .aoti_kernels import INT8_ROWS, available, cached, kernel_dir, spec_digest
 from .aoti_layers import CompiledHalf, LayerSpec, _close, _Matrix, _norm, build_kernel, layer_library
+from .drafter import DrafterCache, rotate_half
 
 # Set to 0 to run the drafter's layers matrix by matrix (to measure one against the other).
 SWITCH = "DFLASH_AOTI_DRAFTER_LAYERS"
@@ -48,9 +49,8 @@ class DrafterSpec:
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # drafter.apply_rope's math, per row: (rows, heads, D) with (rows, D) tables.
-    half = x.shape[-1] // 2
-    return x * cos[:, None] + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin[:, None]
+    # drafter.apply_rope's math in this layout: (rows, heads, D) with (rows, D) tables.
+    return x * cos[:, None] + rotate_half(x) * sin[:, None]
 
 
 class _DrafterBefore(torch.nn.Module):
@@ -171,8 +171,6 @@ def _probe(layer, compiled: CompiledDrafterLayer, kind: str) -> bool:
     """The compiled layer against the eager one (as it runs: its matrices through the kernels
     ``drafter_kernels`` gave them) on random rows: a decode pass's call twice, the prompt's context
     then a cycle's, each on its own fresh cache. Compared: what the layer adds to its residual."""
-    from .drafter import DrafterCache
-
     generator = torch.Generator().manual_seed(0)
     hidden, dim = layer.self_attn.q_proj.in_features, layer.self_attn.head_dim
     caches = DrafterCache(1), DrafterCache(1)
