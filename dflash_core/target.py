@@ -490,32 +490,20 @@ class FastTarget:
         new_rows = rows[:real]
         cos = self.cos[rows]  # (T, heads + kv_heads, D)
         sin = self.sin[rows]
-        compiled = self.attention  # aoti_attention's kernel: the writes and the attention in one call
-        if compiled is not None:
-            runs = compiled.runs(rows.tolist(), cache.capacity)  # the rows' spans, the same in every layer
-
-            def attention(q, k, v, layer_keys, layer_values, rows):
-                return compiled(q, k, v, layer_keys, layer_values, rows, runs)
-        else:
-            # Causal mask over the whole cache: query at absolute position p sees keys 0..p.
-            hidden_mask = ~(torch.arange(cache.capacity, device=self.device)[None, :] <= rows[:, None])  # (T, cap)
-
-            def attention(q, k, v, layer_keys, layer_values, rows):
-                layer_keys.index_copy_(1, new_rows, k[:real].transpose(0, 1))
-                layer_values.index_copy_(1, new_rows, v[:real].transpose(0, 1))
-                return eager_attention(q, layer_keys, layer_values, rows, hidden_mask)
         wanted = {i: n for n, i in enumerate(layer_ids or ())}
         feats: list[torch.Tensor | None] = [None] * len(wanted)
 
         x = F.embedding(ids, self.embed_weight)  # (T, H)
-        if compiled is not None and len(runs) == 1:
-            x = self._compiled_layers(x, cos, sin, rows, runs[0][2], wanted, feats, real)
+        if self.attention is not None:  # aoti_attention's kernel, between compiled halves
+            x = self._compiled_layers(x, cos, sin, rows, wanted, feats, real)
         else:
+            # Causal mask over the whole cache: query at absolute position p sees keys 0..p.
+            hidden_mask = ~(torch.arange(cache.capacity, device=self.device)[None, :] <= rows[:, None])  # (T, cap)
             for li, layer in enumerate(self.layers):
                 q, k, v = self.attention_inputs(layer, x, cos, sin)
-                # The compiled kernel writes the padding rows too: at the last real row's position,
-                # the same keys and values (the same token there, rows independent of their company).
-                x = self.finish_layer(layer, x, attention(q, k, v, keys[li], values[li], rows))
+                keys[li].index_copy_(1, new_rows, k[:real].transpose(0, 1))
+                values[li].index_copy_(1, new_rows, v[:real].transpose(0, 1))
+                x = self.finish_layer(layer, x, eager_attention(q, keys[li], values[li], rows, hidden_mask))
                 if li in wanted:
                     feats[wanted[li]] = x[:real]
         x = x[:real]
@@ -524,18 +512,24 @@ class FastTarget:
         return TargetOutput(logits, features)
 
     def _compiled_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: torch.Tensor,
-                         columns: torch.Tensor, wanted: dict[int, int], feats: list, real: int) -> torch.Tensor:
-        """``positions_pass``'s layer loop where the layers and attention run compiled and its rows
-        share one span: the same kernels on the same inputs as ``attention_inputs``,
-        ``self.attention`` and ``finish_layer``, called straight through their runners (the Python
-        between kernels is a measurable part of a pass on a small model: docs/BENCHMARKS.md).
-        AOTInductor reads its inputs as contiguous, hence the ``contiguous`` calls (free where
-        they already are)."""
-        attend = self.attention.runner.run
-        keys, values = self.cache.k, self.cache.v
+                         wanted: dict[int, int], feats: list, real: int) -> torch.Tensor:
+        """``positions_pass``'s layer loop where the layers and attention run compiled: the same
+        kernels on the same inputs as ``attention_inputs``, ``self.attention`` and
+        ``finish_layer``, called straight through their runners where the rows share one span
+        (the Python between kernels is a measurable part of a pass on a small model:
+        docs/BENCHMARKS.md). AOTInductor reads its inputs as contiguous, hence the ``contiguous``
+        calls (free where they already are). The attention kernel writes the padding rows too: at
+        the last real row's position, the same keys and values (the same token there, rows
+        independent of their company)."""
+        attention, (keys, values) = self.attention, (self.cache.k, self.cache.v)
+        runs = attention.runs(rows.tolist(), self.cache.capacity)  # the rows' spans, the same in every layer
+        attend, columns = attention.runner.run, runs[0][2]
         for li, layer in enumerate(self.layers):
             q, k, v = layer.before.runner.run([x, cos, sin])
-            att = attend([q.contiguous(), k.contiguous(), v.contiguous(), keys[li], values[li], rows, columns])[0]
+            if len(runs) == 1:
+                att = attend([q.contiguous(), k.contiguous(), v.contiguous(), keys[li], values[li], rows, columns])[0]
+            else:
+                att = attention(q, k, v, keys[li], values[li], rows, runs)
             x = layer.after.runner.run([x, att.contiguous()])[0]
             if li in wanted:
                 feats[wanted[li]] = x[:real]

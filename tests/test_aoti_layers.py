@@ -68,7 +68,7 @@ def test_a_failed_layer_build_falls_back_to_the_matrices_and_says_why(monkeypatc
 
 @pytest.mark.slow
 @pytest.mark.parametrize("weights", ["bf16", "int8"])
-def test_compiled_layers_are_the_eager_ones_and_lossless(weights, kernel_cache, monkeypatch):
+def test_compiled_layers_are_the_eager_ones_and_lossless(weights, kernel_cache):
     model = two_shape_llama()
     runner = FastTarget(model, weights=weights, kernels="aoti")
     kind = "float32" if weights == "bf16" else "int8"
