@@ -60,14 +60,18 @@ def available() -> bool:
 
 
 def _machine() -> str:
-    """What a built kernel depends on: PyTorch, the CPU it was compiled for, the thread count."""
+    """What a built kernel depends on: PyTorch, the CPU it was compiled for, the thread count, and
+    the instruction sets a process was told to keep to (``isa_emulation``: inductor's code differs)."""
     cpu = platform.processor() or platform.machine()
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
         cpu = " ".join(line for line in lines if line.startswith(("model name", "flags")))[:4096] or cpu
     except OSError:
         pass
-    digest = hashlib.sha256(f"{torch.__version__}|{cpu}|threads={torch.get_num_threads()}".encode()).hexdigest()[:16]
+    limits = "|".join(f"{name}={os.environ[name]}" for name in ("ATEN_CPU_CAPABILITY", "DFLASH_EMULATE_ISA")
+                      if os.environ.get(name))
+    machine = f"{torch.__version__}|{cpu}|threads={torch.get_num_threads()}" + (f"|{limits}" if limits else "")
+    digest = hashlib.sha256(machine.encode()).hexdigest()[:16]
     return f"torch-{torch.__version__.replace('+', '-')}-{digest}"
 
 
