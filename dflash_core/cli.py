@@ -12,6 +12,7 @@ import os
 import sys
 from typing import Any, Sequence
 
+from . import isa_emulation
 from .console import log, quiet_libraries
 from .errors import DFlashError
 
@@ -238,6 +239,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     quiet_libraries()
     parser = build_parser()
     args = parser.parse_args(argv)
+    if os.environ.get(isa_emulation.VARIABLE):  # started by `env $(python -m dflash_core.isa_emulation ISA) ...`
+        log(f"running as a CPU with {isa_emulation.apply()} only (dflash_core/isa_emulation.py)")
     try:
         return int(args.func(args) or 0)
     except DFlashError as exc:

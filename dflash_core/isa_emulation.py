@@ -16,9 +16,8 @@ conftest calls it). What is not emulated: the CPU's caches and memory, so timing
 
 from __future__ import annotations
 
+import argparse
 import os
-
-import torch
 
 VARIABLE = "DFLASH_EMULATE_ISA"
 # name -> the environment a process needs from its start (PyTorch and oneDNN read it once).
@@ -32,12 +31,16 @@ _CAPABILITY = {"avx512-no-amx": "AVX512", "avx2": "AVX2"}
 
 
 def _has_amx() -> bool:
+    import torch
+
     probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
     return bool(probe is not None and probe())
 
 
 def emulable() -> list[str]:
     """The instruction sets this CPU can run as, below its own (none on an AVX2-only CPU)."""
+    import torch
+
     if VARIABLE in os.environ:  # already emulating: the real CPU is hidden
         return []
     capability = torch.backends.cpu.get_cpu_capability()
@@ -61,6 +64,7 @@ def apply() -> str | None:
     if not isa:
         return None
     environment(isa)  # a known name
+    import torch
     import torch._inductor.cpu_vec_isa as vec_isa  # seconds to import: only when emulating
 
     real = vec_isa.valid_vec_isa_list
@@ -79,3 +83,9 @@ def apply() -> str | None:
     if capability != _CAPABILITY[isa] or not right:
         raise RuntimeError(f"emulating {isa}: PyTorch runs {capability}, inductor picks {type(picked).__name__}")
     return isa
+
+
+if __name__ == "__main__":  # `env $(python -m dflash_core.isa_emulation avx2) python -m dflash_core bench ...`
+    parser = argparse.ArgumentParser(description="The environment that runs a process as a CPU with fewer instructions.")
+    parser.add_argument("isa", choices=list(ISAS))
+    print(" ".join(f"{name}={value}" for name, value in environment(parser.parse_args().isa).items()))

@@ -39,6 +39,18 @@ def test_kernels_built_for_an_emulated_cpu_are_cached_apart_from_this_cpus(monke
     assert aoti_kernels._machine() != native
 
 
+def test_the_cli_runs_as_the_cpu_its_environment_names_and_refuses_one_it_cannot():
+    printed = subprocess.run([sys.executable, "-m", "dflash_core.isa_emulation", "avx2"], capture_output=True, text=True,
+                             check=True).stdout.split()
+    env = {**os.environ, **dict(assignment.split("=", 1) for assignment in printed)}
+    result = subprocess.run([sys.executable, "-m", "dflash_core", "pairs"], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "running as a CPU with avx2 only" in result.stderr
+    env[isa_emulation.VARIABLE] = "avx512-no-amx"  # but PyTorch was told avx2: the check refuses
+    result = subprocess.run([sys.executable, "-m", "dflash_core", "pairs"], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert result.returncode != 0 and "emulating avx512-no-amx: PyTorch runs AVX2" in result.stderr
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("isa", list(isa_emulation.ISAS))
 def test_the_exactness_tests_pass_as_on_a_cpu_with_fewer_instructions(isa, tmp_path):
