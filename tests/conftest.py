@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from dflash_core import isa_emulation
+
 # Before anything imports transformers, which reads these once.
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -29,11 +31,8 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ and "OMP_NUM_THREADS" not in os.env
     if "torch" in sys.modules:  # a plugin imported it first: its pool exists but is not yet sized
         sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
-# Under tests/test_other_isas.py's subprocess: run as the CPU it names (dflash_core.isa_emulation).
-if os.environ.get("DFLASH_EMULATE_ISA"):
-    from dflash_core.isa_emulation import apply
-
-    apply()
+# Under tests/test_other_isas.py's subprocess: run as the CPU it names (imports torch only then).
+isa_emulation.apply()
 
 
 @pytest.fixture(scope="session")
