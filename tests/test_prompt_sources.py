@@ -11,7 +11,7 @@ import pytest
 
 from dflash_core.training.prompt_sources import (
     DOC_COMMENTED, Prompt, _doc_commented_functions, _jsdoc_functions, append_prompts, chitchat_conversations,
-    chitchat_more, chitchat_replies, code_references, read_prompts, write_prompts,
+    chitchat_more, chitchat_replies, code_references, read_prompts, web_platform_questions, write_prompts,
 )
 from dflash_core.training.shards import DataDir, ids_digest, prompt_order
 
@@ -155,3 +155,37 @@ def test_math_questions_are_deterministic_and_leave_the_global_random_state_alon
     first = [p.messages[0]["content"] for p in math_dataset_questions(per_module=1)]
     assert random.getstate() == state
     assert len(first) > 60 and first == [p.messages[0]["content"] for p in math_dataset_questions(per_module=1)]
+
+
+def test_web_platform_questions_ask_about_current_features_only(tmp_path):
+    import json
+
+    def compat(deprecated=False, standard=True):
+        return {"__compat": {"status": {"deprecated": deprecated, "standard_track": standard}}}
+
+    data = {
+        "api": {"Observer": {**compat(), "observe": compat(), "old": compat(deprecated=True),
+                             "secure_context_required": compat(), "Observer": compat()},
+                "Gone": compat(deprecated=True), "Vendor": compat(standard=False)},
+        "javascript": {"builtins": {"Array": {**compat(), "flatMap": compat(), "@@iterator": compat()}}},
+        "css": {"properties": {"gap": compat(), "long": compat(), "nosyntax": compat()}},
+        "html": {"elements": {"article": compat(), "blink": compat(deprecated=True)}},
+        "http": {"headers": {"Accept": compat()}},
+    }
+    css = {"gap": {"syntax": "<'row-gap'> <'column-gap'>?"}, "long": {"syntax": "x " * 100}, "nosyntax": {}}
+    modules = tmp_path / "node_modules"
+    (modules / "@mdn/browser-compat-data").mkdir(parents=True)
+    (modules / "@mdn/browser-compat-data/data.json").write_text(json.dumps(data))
+    (modules / "mdn-data/css").mkdir(parents=True)
+    (modules / "mdn-data/css/properties.json").write_text(json.dumps(css))
+    prompts = list(web_platform_questions(modules))
+    assert sorted(p.source for p in prompts) == ["npm-mdn/api", "npm-mdn/api-member", "npm-mdn/css", "npm-mdn/html",
+                                                  "npm-mdn/http", "npm-mdn/javascript"]
+    texts = " ".join(p.messages[0]["content"] for p in prompts)
+    for asked in ("`Observer`", "`Observer.observe`", "`flatMap`", "`Array", "`gap`",
+                  "<article>", "`Accept`"):
+        assert asked in texts
+    for left_out in ("old`", "secure_context_required", "Gone", "Vendor", "@@iterator", "`long`", "nosyntax", "blink"):
+        assert left_out not in texts
+    assert [p.to_json() for p in web_platform_questions(modules)] == [p.to_json() for p in prompts]  # deterministic
+    assert list(web_platform_questions(None)) == [] and list(web_platform_questions(tmp_path)) == []

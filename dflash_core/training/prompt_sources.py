@@ -525,6 +525,75 @@ def js_snippets(node_modules: Path | None, seed: int = 0) -> Iterator[Prompt]:
         yield Prompt(_pid("js30", name + read), "npm-30-seconds-of-code", _user(read), ["code"])
 
 
+# The web platform's features as MDN's compatibility data lists them (npm, CC0-1.0): each becomes a
+# question a web developer asks (what it is for, how to use it, with an example).
+WEB_ASKS = {
+    "api": ("What is the `{name}` Web API for? Show a short JavaScript example.",
+            "How do I use `{name}` in the browser? Explain with code.",
+            "Explain `{name}` (a Web API) to a developer who has not used it, with an example."),
+    "api-member": ("In the Web API, what does `{owner}.{name}` do? Give an example.",
+                   "Explain `{owner}.{name}` from the browser's `{owner}` interface, with a code sample."),
+    "javascript": ("Explain JavaScript's `{owner}.{name}` with an example.",
+                   "What does `{name}` on JavaScript's `{owner}` do? Show how to use it."),
+    "css": ("Explain the CSS property `{name}` (syntax: `{syntax}`) and show an example.",
+            "How does `{name}` work in CSS? Give a small example that uses it.",
+            "When would I use the CSS property `{name}`? Show an example."),
+    "html": ("What is the HTML `<{name}>` element for? Show an example of using it well.",
+             "Explain when to use `<{name}>` in HTML, with a short example."),
+    "http": ("Explain the HTTP header `{name}`: who sends it, what it means, and an example.",
+             "What is the `{name}` HTTP header used for? Show a request or response that has it."),
+}
+_IDENTIFIER = re.compile(r"[A-Za-z][A-Za-z0-9]*$")
+
+
+def _current(node: dict) -> bool:
+    status = node.get("__compat", {}).get("status", {})
+    return not status.get("deprecated", False) and status.get("standard_track", True)
+
+
+def _web_features(data: dict, css_syntax: dict[str, str], rng: random.Random,
+                  members_per_interface: int = 2) -> Iterator[tuple[str, dict[str, str]]]:
+    """(kind, fields) for every current feature of the compatibility data's API interfaces (and a
+    few of each one's members), JavaScript built-ins' members, CSS properties, HTML elements and
+    HTTP headers."""
+    for owner, node in sorted(data["api"].items()):
+        if not _current(node):
+            continue
+        yield "api", {"name": owner}
+        members = [m for m, v in sorted(node.items()) if _IDENTIFIER.match(m) and m != owner and _current(v)]
+        for member in rng.sample(members, min(members_per_interface, len(members))):
+            yield "api-member", {"owner": owner, "name": member}
+    for owner, node in sorted(data["javascript"]["builtins"].items()):
+        for member, value in sorted(node.items()):
+            if _IDENTIFIER.match(member) and member != owner and _current(value):
+                yield "javascript", {"owner": owner, "name": member}
+    for name, node in sorted(data["css"]["properties"].items()):
+        syntax = css_syntax.get(name, "")
+        if _current(node) and syntax and len(syntax) <= 120:
+            yield "css", {"name": name, "syntax": syntax}
+    for name, node in sorted(data["html"]["elements"].items()):
+        if _current(node):
+            yield "html", {"name": name}
+    for name, node in sorted(data["http"]["headers"].items()):
+        if _current(node):
+            yield "http", {"name": name}
+
+
+def web_platform_questions(node_modules: Path | None, seed: int = 0) -> Iterator[Prompt]:
+    """Questions about the web platform's APIs, JavaScript built-ins, CSS, HTML and HTTP, one per
+    feature of MDN's browser-compat-data (with mdn-data's CSS syntax), both CC0-1.0."""
+    bcd = node_modules / "@mdn/browser-compat-data/data.json" if node_modules else None
+    css = node_modules / "mdn-data/css/properties.json" if node_modules else None
+    if bcd is None or not bcd.is_file() or css is None or not css.is_file():
+        return
+    data = json.loads(bcd.read_text(encoding="utf-8"))
+    css_syntax = {name: p.get("syntax", "") for name, p in json.loads(css.read_text(encoding="utf-8")).items()}
+    rng = random.Random(seed)
+    for kind, fields in _web_features(data, css_syntax, rng):
+        text = rng.choice(WEB_ASKS[kind]).format(**fields)
+        yield Prompt(_pid("mdn", text), f"npm-mdn/{kind}", _user(text), ["code"])
+
+
 # How each language's libraries document a function: the doc-comment prefix, and the start of a
 # documented public function's declaration (its name in group 1).
 DOC_COMMENTED = {
@@ -616,6 +685,7 @@ def build_appended_prompts(seed: int = 0, sources_dir: Path | None = None) -> li
         js_snippets(node_modules, seed),
         debian_library_functions(debian_root, seed),
         code_stub_tasks(per_package=250, seed=seed, packages=MORE_CODE_PACKAGES),
+        web_platform_questions(node_modules, seed),
     ]
     prompts = _unique(p for source in sources for p in source)
     random.Random(seed).shuffle(prompts)
