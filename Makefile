@@ -24,7 +24,7 @@ PROMPT_DEBIAN_PACKAGES := golang-github-dustin-go-humanize-dev=1.0.0-3 golang-gi
 	librust-itertools-dev=0.10.3-1 librust-num-integer-dev=0.1.44-1 librust-num-traits-dev=0.2.15-1 \
 	librust-rand-dev=0.8.5-1 librust-regex-dev=1.7.1-1 librust-semver-dev=1.0.14-1 librust-smallvec-dev=1.9.0-1 \
 	librust-strsim-dev=0.10.0-1 librust-textwrap-dev=0.16.0-2 librust-time-dev=0.3.9-1+deb12u1 \
-	librust-unicode-segmentation-dev=1.9.0-1 librust-url-dev=2.3.1-1
+	librust-unicode-segmentation-dev=1.9.0-1 librust-url-dev=2.3.1-1 wordnet-base=1:3.0-37
 PROMPT_SOURCES ?= runs/prompt-sources
 
 .PHONY: setup browser demo test test-fast peers bench benchmarks gen-data prompts train-bundled train-bundled-fresh clean

@@ -11,7 +11,8 @@ import pytest
 
 from dflash_core.training.prompt_sources import (
     DOC_COMMENTED, Prompt, _doc_commented_functions, _jsdoc_functions, append_prompts, chitchat_conversations,
-    chitchat_more, chitchat_replies, code_references, read_prompts, web_platform_questions, write_prompts,
+    chitchat_more, chitchat_replies, code_references, read_prompts, web_platform_questions, wordnet_questions,
+    write_prompts,
 )
 from dflash_core.training.shards import DataDir, ids_digest, prompt_order
 
@@ -189,3 +190,23 @@ def test_web_platform_questions_ask_about_current_features_only(tmp_path):
         assert left_out not in texts
     assert [p.to_json() for p in web_platform_questions(modules)] == [p.to_json() for p in prompts]  # deterministic
     assert list(web_platform_questions(None)) == [] and list(web_platform_questions(tmp_path)) == []
+
+
+def test_wordnet_questions_ask_about_common_words_and_compare_nouns_of_one_category(tmp_path):
+    counts = tmp_path / "usr/share/wordnet"
+    counts.mkdir(parents=True)
+    (counts / "cntlist.rev").write_text("\n".join((
+        "dog%1:05:00:: 1 40", "cat%1:05:00:: 1 30", "dog%2:38:00:: 2 6",  # two animals, and "to dog"
+        "swift%3:00:00:: 1 9", "rare_bird%1:05:00:: 1 2",  # an adjective; too rare
+        "ox%1:05:00:: 1 50", "3-d%5:00:00:: 1 9", "quickly%4:02:00:: 1 50",  # too short, not letters, an adverb
+    )) + "\n")
+    prompts = list(wordnet_questions(tmp_path, seed=1))
+    assert sorted(p.source for p in prompts) == ["debian-wordnet/adj", "debian-wordnet/noun", "debian-wordnet/noun",
+                                                  "debian-wordnet/verb"]
+    texts = [p.messages[0]["content"] for p in prompts]
+    assert not any(w in t for t in texts for w in ("rare bird", "ox", "3-d", "quickly"))
+    for text in texts:
+        if "difference between" in text:  # compared within the category: the two animals
+            assert {"dog", "cat"} <= set(text.rstrip("?").replace(" and ", " ").split())
+    assert [p.to_json() for p in wordnet_questions(tmp_path, seed=1)] == [p.to_json() for p in prompts]
+    assert list(wordnet_questions(None)) == [] and list(wordnet_questions(tmp_path / "none")) == []

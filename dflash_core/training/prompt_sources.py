@@ -672,6 +672,52 @@ def debian_library_functions(debian_root: Path | None, seed: int = 0) -> Iterato
                                  _user(text), ["code"])
 
 
+# Everyday questions about common English words (WordNet 3.0's lemmas, Debian's wordnet-base; its
+# license: permissive, with Princeton's notice, docs/TRAINING.md): general knowledge, explanations and
+# short writing, the chat that code-heavy sources lack. Only the words are read, never the glosses.
+WORD_ASKS = {
+    "noun": ("What is {a} {word}?", "Explain {word} to a ten-year-old.", "Write a short paragraph about {word}.",
+             "Give me three interesting facts about {word}.", "What is the difference between {word} and {other}?"),
+    "verb": ("What does it mean to {word}? Use it in two sentences.", "Write a short story in which someone has to {word}.",
+             "How do people {word} well? Give some tips."),
+    "adj": ("What does \"{word}\" mean? Give two example sentences.", "Describe a place that is {word}.",
+            "Write a four-line poem about something {word}."),
+}
+_WORD_POS = {"1": "noun", "2": "verb", "3": "adj", "5": "adj"}
+
+
+def wordnet_questions(debian_root: Path | None, seed: int = 0, min_count: int = 5) -> Iterator[Prompt]:
+    """A question about each common noun, verb and adjective: WordNet lemmas whose most tagged
+    sense was seen ``min_count`` times or more in its sense-tagged corpus (``cntlist.rev``); a noun
+    may be compared with another of the same lexical category (animals with animals, ...)."""
+    counts = debian_root / "usr/share/wordnet/cntlist.rev" if debian_root else None
+    if counts is None or not counts.is_file():
+        return
+    words: dict[tuple[str, str], tuple[int, str]] = {}
+    for line in counts.read_text(encoding="utf-8").splitlines():
+        key, _, count = line.split()
+        lemma, sense = key.split("%")
+        kind, category = sense.split(":")[:2]
+        word = lemma.replace("_", " ")
+        if kind not in _WORD_POS or len(word) < 3 or not word.replace(" ", "").replace("-", "").isalpha():
+            continue
+        best = words.get((word, _WORD_POS[kind]), (0, ""))
+        if int(count) > best[0]:
+            words[word, _WORD_POS[kind]] = (int(count), category)
+    chosen = sorted(k for k, (count, _) in words.items() if count >= min_count)
+    nouns_by_category: dict[str, list[str]] = {}
+    for word, pos in chosen:
+        if pos == "noun":
+            nouns_by_category.setdefault(words[word, pos][1], []).append(word)
+    rng = random.Random(seed)
+    for word, pos in chosen:
+        peers = [w for w in nouns_by_category.get(words[word, pos][1], []) if w != word] if pos == "noun" else []
+        asks = [a for a in WORD_ASKS[pos] if peers or "{other}" not in a]
+        text = rng.choice(asks).format(word=word, a="an" if word[0] in "aeiou" else "a",
+                                       other=rng.choice(peers) if peers else "")
+        yield Prompt(_pid("wordnet", text), f"debian-wordnet/{pos}", _user(text))
+
+
 def build_appended_prompts(seed: int = 0, sources_dir: Path | None = None) -> list[Prompt]:
     """The sources added after the first set, de-duplicated and shuffled; deterministic for a seed
     and a set of installed package versions. ``sources_dir`` holds the npm packages
@@ -686,6 +732,7 @@ def build_appended_prompts(seed: int = 0, sources_dir: Path | None = None) -> li
         debian_library_functions(debian_root, seed),
         code_stub_tasks(per_package=250, seed=seed, packages=MORE_CODE_PACKAGES),
         web_platform_questions(node_modules, seed),
+        wordnet_questions(debian_root, seed),
     ]
     prompts = _unique(p for source in sources for p in source)
     random.Random(seed).shuffle(prompts)
