@@ -147,7 +147,11 @@ prompts: setup
 # stopped; SHARD_FIRST_STEPS equal to SHARD_STEPS makes it one leg.
 SHARD_FIRST_STEPS ?= 3000
 SHARD_STEPS ?= 6000
-SHARD_ARGS = $(FIT_ARGS) --num-layers $(SHARD_LAYERS) --out $(TRAIN_OUT) --work-dir $(SHARD_WORK) --shards $(DATA_DIR)
+# The bundled drafter was trained on the first 157 shards; gen-data has added more since. SHARD_LIMIT=0
+# trains on every committed shard (a new drafter, and a longer features stage).
+SHARD_LIMIT ?= 157
+SHARD_ARGS = $(FIT_ARGS) --num-layers $(SHARD_LAYERS) --out $(TRAIN_OUT) --work-dir $(SHARD_WORK) --shards $(DATA_DIR) \
+	--shard-limit $(SHARD_LIMIT)
 
 train-bundled: setup
 	$(PY) -m dflash_core train $(SHARD_ARGS) --steps $(SHARD_FIRST_STEPS) --stages features,fit

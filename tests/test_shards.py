@@ -132,6 +132,31 @@ def test_the_recipe_trains_from_committed_shards_alone(tiny_chat_target, tmp_pat
     assert "committed shards" in info["data"]
 
 
+def test_a_shard_limit_trains_on_the_first_shards_only_and_says_so(tiny_chat_target, tmp_path, capsys):
+    from dflash_core import cli
+
+    write_prompts(_prompts(14), tmp_path / "prompts.jsonl")
+    generate_shards(tiny_chat_target, _options(tmp_path))
+    shards = DataDir(tmp_path / "data").shards
+    assert len(shards) >= 2
+    settings = TrainSettings(num_layers=1, target_layer_ids=[0, 1], mask_token_id=7, anchors_per_sequence=4,
+                             sequences_per_step=2, steps=1, sub_vocab=256, negatives=256, eval_every=1, eval_sequences=2,
+                             validation_percent=10)
+    options = RecipeOptions(work_dir=tmp_path / "work", out_dir=tmp_path / "drafter", shards_dir=tmp_path / "data",
+                            shard_limit=1, draft_vocab=64, command="test", settings=settings)
+    run_recipe(tiny_chat_target, options, ["features", "fit", "export"])
+    first = read_samples(tmp_path / "data", limit=1)
+    assert len(FeatureStore(tmp_path / "work" / "features")) == len(first) == shards[0]["answers"]
+    assert len(first) < len(read_samples(tmp_path / "data"))
+    info = json.loads((tmp_path / "drafter" / "training_info.json").read_text())
+    assert f"from 1 committed shards of {tmp_path / 'data'} ({shards[0]['answer_tokens']} answer tokens" in info["data"]
+    for flags in (["--shard-limit", "-1", "--shards", str(tmp_path / "data")], ["--shard-limit", "2"]):
+        args = ["train", "--target", tiny_chat_target.source.location, "--work-dir", str(tmp_path / "w"),
+                "--out", str(tmp_path / "o"), *flags]
+        assert cli.main(args) == 2
+        assert f"--shard-limit {flags[1]}: a number of shards (0: all), with --shards" in capsys.readouterr().err
+
+
 def test_features_gen_data_kept_spare_the_features_stage_its_target_passes(tiny_chat_target, tmp_path, monkeypatch):
     from dflash_core import cli
 

@@ -49,6 +49,8 @@ class RecipeOptions:
     # Committed answer shards (``shards.py``): the generate stage appends shards there instead of
     # writing ``responses/``, and the features stage reads them.
     shards_dir: Path | None = None
+    # Train on the first N shards only (the bundled drafter's data, while gen-data adds more); None: all.
+    shard_limit: int | None = None
     gen_shard_prompts: int = 256
     fit_time_budget_s: float | None = None  # re-plan the step count so the fit ends within this
     command: str = ""
@@ -148,7 +150,7 @@ def run_recipe(target: LoadedTarget, options: RecipeOptions, stages: list[str]) 
     if "features" in stages:
         def do_features() -> dict[str, Any]:
             if options.shards_dir is not None:
-                samples = read_shard_samples(options.shards_dir, kept_features)
+                samples = read_shard_samples(options.shards_dir, kept_features, options.shard_limit)
                 where, kept = options.shards_dir, kept_features
             else:
                 samples = read_samples(work / "responses")
@@ -196,9 +198,9 @@ def run_recipe(target: LoadedTarget, options: RecipeOptions, stages: list[str]) 
                     "(journal-prompts, chatterbot-corpus, chitchat-dataset, third-party code stubs, templates) "
                     "and the target's own greedy answers to them")
             if options.shards_dir is not None:
-                totals = DataDir(options.shards_dir).manifest["totals"]
-                data += (f", from {len(DataDir(options.shards_dir).shards)} committed shards of {options.shards_dir} "
-                         f"({totals.get('answer_tokens', 0)} answer tokens, {totals.get('wall_s', 0) / 60:.0f} min of "
+                used = DataDir(options.shards_dir).shards[: options.shard_limit]
+                data += (f", from {len(used)} committed shards of {options.shards_dir} "
+                         f"({sum(s['answer_tokens'] for s in used)} answer tokens, {sum(s['wall_s'] for s in used) / 60:.0f} min of "
                          "generation)")
             info = {
                 "target": target.name,

@@ -182,15 +182,16 @@ def prompt_order(prompts: list[Prompt]) -> list[Prompt]:
     return split(prompts)[0]
 
 
-def read_samples(directory: str | Path, features_dir: str | Path | None = None) -> list[Sample]:
-    """Every answer of the shards the manifest lists, as training samples.
+def read_samples(directory: str | Path, features_dir: str | Path | None = None, limit: int | None = None) -> list[Sample]:
+    """Every answer of the shards the manifest lists (the first ``limit`` of them, if given), as
+    training samples.
 
     With ``features_dir``, answers whose target features were kept while generating point at
     them (``<shard>.features.json`` there maps a prompt id to its first row), so the features
     stage copies them instead of running the target."""
     data = DataDir(directory)
     samples: list[Sample] = []
-    for entry in data.shards:
+    for entry in data.shards[:limit]:
         content = read_shard(data.directory / entry["file"])
         kept: dict[str, Any] = {"rows": {}}
         if features_dir is not None:
