@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from . import isa_emulation
 from .kernels import Linear, probe_rows, rows_match
 
 KERNELS = ("onednn", "aoti")
@@ -68,7 +69,7 @@ def _machine() -> str:
         cpu = " ".join(line for line in lines if line.startswith(("model name", "flags")))[:4096] or cpu
     except OSError:
         pass
-    limits = "|".join(f"{name}={os.environ[name]}" for name in ("ATEN_CPU_CAPABILITY", "DFLASH_EMULATE_ISA")
+    limits = "|".join(f"{name}={os.environ[name]}" for name in ("ATEN_CPU_CAPABILITY", isa_emulation.VARIABLE)
                       if os.environ.get(name))
     machine = f"{torch.__version__}|{cpu}|threads={torch.get_num_threads()}" + (f"|{limits}" if limits else "")
     digest = hashlib.sha256(machine.encode()).hexdigest()[:16]

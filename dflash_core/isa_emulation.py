@@ -27,7 +27,6 @@ ISAS: dict[str, dict[str, str]] = {
     # An AVX2-only CPU (EPYC Zen 2 / 3).
     "avx2": {"DNNL_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"},
 }
-_CAPABILITY = {"avx512-no-amx": "AVX512", "avx2": "AVX2"}
 
 
 def _has_amx() -> bool:
@@ -80,7 +79,7 @@ def apply() -> str | None:
         right = isinstance(picked, vec_isa.VecAVX2) and not isinstance(picked, vec_isa.VecAVX512)
     else:  # AVX-512 with its VNNI extension where the CPU has it, as an EPYC Zen 4's
         right = isinstance(picked, vec_isa.VecAVX512) and not isinstance(picked, vec_isa.VecAMX)
-    if capability != _CAPABILITY[isa] or not right:
+    if capability != ISAS[isa]["ATEN_CPU_CAPABILITY"].upper() or not right:
         raise RuntimeError(f"emulating {isa}: PyTorch runs {capability}, inductor picks {type(picked).__name__}")
     return isa
 
