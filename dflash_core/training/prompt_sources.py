@@ -14,6 +14,9 @@ Sources (all ship inside PyPI packages or are generated here; see ``docs/TRAININ
 * templated instructions over a hand-written topic list (explain, compare, list, write, plan,
   summarise, email, story, ...), templated programming exercises and arithmetic word problems.
 
+The sources appended after that first set (npm, Debian and PyPI packages: more chat, math, code in
+other languages, web-platform questions, everyday words) are ``build_appended_prompts``'.
+
 ``code_references`` and ``chitchat_replies`` pair a prompt with a real answer (the package's own
 code, the person's next turn): text for teacher-forced labels (``teacher_labels.py``), not prompts.
 
