@@ -8,12 +8,13 @@ Two runners share one small interface (``TargetRunner``):
   forgetting a length; rejected slots are overwritten later), and a row's attention spans the
   whole cache (the compiled attention: the row's position rounded up, ``aoti_attention.span_of``),
   with a causal mask: a span set by the position alone, never by the pass. That last choice makes
-  the computation *batch invariant*: the logits of a position are bit-for-bit the same in bf16 whether the position is verified alone
-  (autoregressive decoding) or inside a block of 16, so greedy DFlash reproduces the engine's own
-  greedy autoregressive output exactly (tested). That rests on the matrix kernels giving a row
-  the same numbers whatever the number of rows beside it, which depends on the CPU and the dtype:
-  a probe at load (``FastTarget.batch_invariant``) finds how many rows a pass needs for that and
-  says whether any number suffices; where none does, outputs agree within rounding instead.
+  the computation *batch invariant*: the logits of a position are bit-for-bit the same in bf16
+  whether the position is verified alone (autoregressive decoding) or inside a block of 16, so
+  greedy DFlash reproduces the engine's own greedy autoregressive output exactly (tested). That
+  rests on the matrix kernels giving a row the same numbers whatever the number of rows beside
+  it, which depends on the CPU and the dtype: a probe at load (``FastTarget.batch_invariant``)
+  finds how many rows a pass needs for that and says whether any number suffices; where none
+  does, outputs agree within rounding instead.
   ``forward_tree`` scores a whole draft tree in one pass with the same per-row arithmetic
   (``tree_attention.py``), so tree verification is exactly greedy decoding too.
 * ``HFTarget`` — any ``transformers`` causal LM through its own forward and ``DynamicCache``,
