@@ -15,7 +15,7 @@ from dflash_core.training.gen_data import GenDataOptions, generate_shards
 from dflash_core.training.prompt_sources import Prompt, split, write_prompts
 from dflash_core.training.recipe import RecipeOptions, run_recipe
 from dflash_core.training.selfdistill import chat_ids
-from dflash_core.training.shards import DataDir, ShardContent, read_samples, read_shard, write_shard
+from dflash_core.training.shards import DataDir, ShardContent, read_samples, read_shard, select_shards, write_shard
 from dflash_core.training.trainer import TrainSettings
 
 
@@ -132,29 +132,77 @@ def test_the_recipe_trains_from_committed_shards_alone(tiny_chat_target, tmp_pat
     assert "committed shards" in info["data"]
 
 
-def test_a_shard_limit_trains_on_the_first_shards_only_and_says_so(tiny_chat_target, tmp_path, capsys):
+def test_a_shard_selection_trains_on_those_shards_only_and_says_so(tiny_chat_target, tmp_path, capsys):
     from dflash_core import cli
 
     write_prompts(_prompts(14), tmp_path / "prompts.jsonl")
     generate_shards(tiny_chat_target, _options(tmp_path))
     shards = DataDir(tmp_path / "data").shards
-    assert len(shards) >= 2
+    assert len(shards) >= 3
     settings = TrainSettings(num_layers=1, target_layer_ids=[0, 1], mask_token_id=7, anchors_per_sequence=4,
                              sequences_per_step=2, steps=1, sub_vocab=256, negatives=256, eval_every=1, eval_sequences=2,
                              validation_percent=10)
     options = RecipeOptions(work_dir=tmp_path / "work", out_dir=tmp_path / "drafter", shards_dir=tmp_path / "data",
-                            shard_limit=1, draft_vocab=64, command="test", settings=settings)
+                            shard_select="0:1,2:", draft_vocab=64, command="test", settings=settings)
     run_recipe(tiny_chat_target, options, ["features", "fit", "export"])
-    first = read_samples(tmp_path / "data", limit=1)
-    assert len(FeatureStore(tmp_path / "work" / "features")) == len(first) == shards[0]["answers"]
-    assert len(first) < len(read_samples(tmp_path / "data"))
+    chosen = read_samples(tmp_path / "data", selection="0:1,2:")
+    ids = {s.id for s in chosen}
+    assert ids == ({s.id for s in read_samples(tmp_path / "data", selection=":1")}
+                   | {s.id for s in read_samples(tmp_path / "data", selection="2:")})
+    assert len(FeatureStore(tmp_path / "work" / "features")) == len(chosen) < len(read_samples(tmp_path / "data"))
+    used = [shards[0]] + shards[2:]
     info = json.loads((tmp_path / "drafter" / "training_info.json").read_text())
-    assert f"from 1 committed shards of {tmp_path / 'data'} ({shards[0]['answer_tokens']} answer tokens" in info["data"]
-    for flags in (["--shard-limit", "-1", "--shards", str(tmp_path / "data")], ["--shard-limit", "2"]):
+    assert (f"from {len(used)} committed shards of {tmp_path / 'data'} "
+            f"({sum(s['answer_tokens'] for s in used)} answer tokens") in info["data"]
+    for flags, message in (
+        (["--shard-limit", "-1", "--shards", str(tmp_path / "data")], "--shard-limit -1: a number of shards (0: all), with --shards"),
+        (["--shard-limit", "2"], "--shard-limit 2: a number of shards (0: all), with --shards"),
+        (["--shard-select", ":2"], "--shard-select goes with --shards, and instead of --shard-limit"),
+        (["--shard-select", ":2", "--shard-limit", "2", "--shards", str(tmp_path / "data")], "instead of --shard-limit"),
+        (["--shard-select", "1-3", "--shards", str(tmp_path / "data")], "'1-3' is not a slice of the manifest's shards"),
+        (["--shard-select", "::0", "--shards", str(tmp_path / "data")], "'::0' is not a slice"),
+        (["--shard-select", "50:", "--shards", str(tmp_path / "data")], f"names none of the {len(shards)} shards"),
+    ):
         args = ["train", "--target", tiny_chat_target.source.location, "--work-dir", str(tmp_path / "w"),
                 "--out", str(tmp_path / "o"), *flags]
         assert cli.main(args) == 2
-        assert f"--shard-limit {flags[1]}: a number of shards (0: all), with --shards" in capsys.readouterr().err
+        assert message in capsys.readouterr().err
+
+
+def test_select_shards_reads_python_slices_over_the_manifest_order():
+    shards = [{"file": f"shard-{i:05d}.npz"} for i in range(10)]
+    assert select_shards(shards, None) == select_shards(shards, "") == shards
+    assert select_shards(shards, ":3") == shards[:3]
+    assert select_shards(shards, "0:8:4, 6:") == [shards[i] for i in (0, 4, 6, 7, 8, 9)]  # in order, each once
+    assert select_shards(shards, "-2:") == shards[-2:]
+
+
+def test_a_fit_can_go_on_from_an_exported_drafter_and_refuses_one_of_another_shape(tiny_chat_target, tmp_path):
+    write_prompts(_prompts(8), tmp_path / "prompts.jsonl")
+    generate_shards(tiny_chat_target, _options(tmp_path))
+    settings = TrainSettings(num_layers=1, target_layer_ids=[0, 1], mask_token_id=7, anchors_per_sequence=4,
+                             sequences_per_step=2, steps=2, sub_vocab=256, negatives=256, eval_every=2, eval_sequences=2,
+                             validation_percent=10)
+    first = RecipeOptions(work_dir=tmp_path / "a", out_dir=tmp_path / "first", shards_dir=tmp_path / "data",
+                          draft_vocab=0, command="test", settings=settings)
+    run_recipe(tiny_chat_target, first, ["features", "fit", "export"])
+    exported = DFlashDrafter.from_pretrained(tmp_path / "first")
+    settings.init = f"drafter:{tmp_path / 'first'}"
+    settings.steps = 0  # no step: the fit's drafter is the exported one, bf16 as it was saved
+    second = RecipeOptions(work_dir=tmp_path / "b", out_dir=tmp_path / "second", shards_dir=tmp_path / "data",
+                           draft_vocab=0, command="test", settings=settings)
+    run_recipe(tiny_chat_target, second, ["features", "fit", "export"])
+    again = DFlashDrafter.from_pretrained(tmp_path / "second")
+    for name, tensor in exported.state_dict().items():
+        assert torch.equal(again.state_dict()[name], tensor), name
+    settings.num_layers = 2
+    third = RecipeOptions(work_dir=tmp_path / "c", out_dir=tmp_path / "third", shards_dir=tmp_path / "data",
+                          draft_vocab=0, command="test", settings=settings)
+    with pytest.raises(TrainingError, match=r"that drafter has 1 layers \(this fit: 2\).*--num-layers"):
+        run_recipe(tiny_chat_target, third, ["features", "fit"])
+    settings.num_layers, settings.init = 1, "drafters"
+    with pytest.raises(TrainingError, match="random, target or drafter:DIR"):
+        run_recipe(tiny_chat_target, third, ["features", "fit"])
 
 
 def test_features_gen_data_kept_spare_the_features_stage_its_target_passes(tiny_chat_target, tmp_path, monkeypatch):

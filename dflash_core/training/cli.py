@@ -53,6 +53,9 @@ def add_train_parser(sub: Any) -> None:
     t.add_argument("--shard-limit", type=int, default=0,
                    help="with --shards: train on the first N shards only (0: all), so that a drafter stays "
                         "reproducible while gen-data adds shards")
+    t.add_argument("--shard-select", default=None, metavar="SLICES",
+                   help="with --shards, instead of --shard-limit: comma-separated Python slices over the shards' "
+                        "order, e.g. 0:157:4,157: (every fourth of the first 157 and all after)")
     t.add_argument("--gen-shard-prompts", type=int, default=256, help="prompts per shard (with --shards)")
     t.add_argument("--fit-minutes", type=float, default=None,
                    help="re-plan the step count from the measured pace so the fit ends within this many minutes")
@@ -141,6 +144,12 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise TrainingError(f"unknown stage(s) {unknown}; allowed: {', '.join(STAGES)}")
     if args.shard_limit < 0 or (args.shard_limit and args.shards is None):
         raise TrainingError(f"--shard-limit {args.shard_limit}: a number of shards (0: all), with --shards")
+    if args.shard_select is not None and (args.shards is None or args.shard_limit):
+        raise TrainingError("--shard-select goes with --shards, and instead of --shard-limit (--shard-limit N is "
+                            "--shard-select :N)")
+    if args.shard_select is not None:  # a mistyped selection fails here, before the target loads
+        from .shards import DataDir, select_shards
+        select_shards(DataDir(args.shards).shards, args.shard_select)
     settings = TrainSettings()
     for f in dataclasses.fields(TrainSettings):
         value = getattr(args, f.name)
@@ -153,7 +162,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         gen_time_budget_s=args.gen_minutes * 60 if args.gen_minutes else None,
         gen_token_budget=args.gen_tokens, gen_max_prompts=args.gen_max_prompts,
         feature_layers=args.feature_layers, eval_prompts=args.eval_prompts, draft_vocab=args.draft_vocab,
-        shards_dir=args.shards, shard_limit=args.shard_limit or None, gen_shard_prompts=args.gen_shard_prompts,
+        shards_dir=args.shards, shard_select=f":{args.shard_limit}" if args.shard_limit else args.shard_select,
+        gen_shard_prompts=args.gen_shard_prompts,
         fit_time_budget_s=args.fit_minutes * 60 if args.fit_minutes else None,
         command="python -m dflash_core " + " ".join(shlex.quote(a) for a in sys.argv[1:]), settings=settings,
     )

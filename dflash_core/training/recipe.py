@@ -23,7 +23,7 @@ from .features import FeatureStore, build_feature_cache
 from .gen_data import GenDataOptions, generate_shards
 from .prompt_sources import build_prompt_set, read_prompts, split, summarize, write_prompts
 from .selfdistill import generate_responses, read_samples
-from .shards import DataDir
+from .shards import DataDir, select_shards
 from .shards import read_samples as read_shard_samples
 from .trainer import Trainer, TrainSettings
 
@@ -49,8 +49,9 @@ class RecipeOptions:
     # Committed answer shards (``shards.py``): the generate stage appends shards there instead of
     # writing ``responses/``, and the features stage reads them.
     shards_dir: Path | None = None
-    # Train on the first N shards only (the bundled drafter's data, while gen-data adds more); None: all.
-    shard_limit: int | None = None
+    # Which shards to train on (``shards.select_shards``: ":157" is the bundled drafter's data, while
+    # gen-data adds more); None: all.
+    shard_select: str | None = None
     gen_shard_prompts: int = 256
     fit_time_budget_s: float | None = None  # re-plan the step count so the fit ends within this
     command: str = ""
@@ -150,7 +151,7 @@ def run_recipe(target: LoadedTarget, options: RecipeOptions, stages: list[str]) 
     if "features" in stages:
         def do_features() -> dict[str, Any]:
             if options.shards_dir is not None:
-                samples = read_shard_samples(options.shards_dir, kept_features, options.shard_limit)
+                samples = read_shard_samples(options.shards_dir, kept_features, options.shard_select)
                 where, kept = options.shards_dir, kept_features
             else:
                 samples = read_samples(work / "responses")
@@ -198,7 +199,7 @@ def run_recipe(target: LoadedTarget, options: RecipeOptions, stages: list[str]) 
                     "(journal-prompts, chatterbot-corpus, chitchat-dataset, third-party code stubs, templates) "
                     "and the target's own greedy answers to them")
             if options.shards_dir is not None:
-                used = DataDir(options.shards_dir).shards[: options.shard_limit]
+                used = select_shards(DataDir(options.shards_dir).shards, options.shard_select)
                 data += (f", from {len(used)} committed shards of {options.shards_dir} "
                          f"({sum(s['answer_tokens'] for s in used)} answer tokens, {sum(s['wall_s'] for s in used) / 60:.0f} min of "
                          "generation)")

@@ -182,16 +182,45 @@ def prompt_order(prompts: list[Prompt]) -> list[Prompt]:
     return split(prompts)[0]
 
 
-def read_samples(directory: str | Path, features_dir: str | Path | None = None, limit: int | None = None) -> list[Sample]:
-    """Every answer of the shards the manifest lists (the first ``limit`` of them, if given), as
-    training samples.
+def select_shards(shards: Sequence[dict[str, Any]], selection: str | None) -> list[dict[str, Any]]:
+    """The manifest entries a selection names: comma-separated Python slices over the manifest's
+    order (``":157"`` the first 157, ``"0:157:4,157:"`` every fourth of those and all after), each
+    shard once, in manifest order; ``None`` or ``""`` selects every shard.
+
+    A drafter trained on a selection stays reproducible while gen-data appends shards, and a
+    selection can mix older data with newer sources without a feature cache of everything."""
+    if not selection:
+        return list(shards)
+    chosen: set[int] = set()
+    for part in selection.split(","):
+        fields = part.strip().split(":")
+        try:
+            if len(fields) not in (2, 3):
+                raise ValueError(part)
+            bounds = [int(f) if f.strip() else None for f in fields]
+            if len(bounds) == 3 and bounds[2] is not None and bounds[2] < 1:
+                raise ValueError(part)
+        except ValueError:
+            raise TrainingError(f"shard selection {selection!r}: {part.strip()!r} is not a slice of the manifest's "
+                                "shards; write START:STOP or START:STOP:STEP (Python's slices, STEP >= 1), "
+                                "comma-separated, e.g. 0:157:4,157:") from None
+        chosen.update(range(len(shards))[slice(*bounds)])
+    if not chosen:
+        raise TrainingError(f"shard selection {selection!r} names none of the {len(shards)} shards")
+    return [shards[i] for i in sorted(chosen)]
+
+
+def read_samples(directory: str | Path, features_dir: str | Path | None = None,
+                 selection: str | None = None) -> list[Sample]:
+    """Every answer of the shards the manifest lists (those ``selection`` names, if given: see
+    ``select_shards``), as training samples.
 
     With ``features_dir``, answers whose target features were kept while generating point at
     them (``<shard>.features.json`` there maps a prompt id to its first row), so the features
     stage copies them instead of running the target."""
     data = DataDir(directory)
     samples: list[Sample] = []
-    for entry in data.shards[:limit]:
+    for entry in select_shards(data.shards, selection):
         content = read_shard(data.directory / entry["file"])
         kept: dict[str, Any] = {"rows": {}}
         if features_dir is not None:

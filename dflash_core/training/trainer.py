@@ -66,7 +66,8 @@ class TrainSettings:
     ce_weight: float = 1.0
     kl_weight: float = 0.0
     reg_weight: float = 0.0
-    init: str = "random"  # random | target (copy target layers, see warm_start)
+    init: str = "random"  # random | target (copy target layers, see warm_start) | drafter:DIR (go on
+    # training an exported drafter on new data, see continue_from)
     attention_bias: bool = False  # q/k/v/o biases (Qwen3's attention_bias): a learnable constant
     # query/key component lets attention become positional (attend to the anchor, the last
     # context positions) from the first steps, which a content-only projection must discover
@@ -192,6 +193,27 @@ def warm_start(drafter: DFlashDrafter, target_model: torch.nn.Module, source_lay
         drafter.hidden_norm.weight.copy_(layers[source_layers[0]].input_layernorm.weight.float())
 
 
+DRAFTER_INIT = "drafter:"
+
+
+def continue_from(drafter: DFlashDrafter, directory: str | Path) -> None:
+    """Start the fit from an exported drafter's weights (a new schedule on new data, where a
+    checkpoint's resume would go on with its own), refusing one of another shape."""
+    source = DFlashDrafter.from_pretrained(directory)
+    ours, theirs = drafter.config, source.config
+    differs = [f"{name} {getattr(theirs, name)} (this fit: {getattr(ours, name)})"
+               for name in ("hidden_size", "block_size", "mask_token_id", "target_layer_ids")
+               if getattr(ours, name) != getattr(theirs, name)]
+    if len(source.layers) != len(drafter.layers):
+        differs.append(f"{len(source.layers)} layers (this fit: {len(drafter.layers)})")
+    if differs:
+        raise TrainingError(f"--init {DRAFTER_INIT}{directory}: that drafter has {', '.join(differs)}; "
+                            "give the fit its settings (--num-layers, --target-layer-ids, --mask-token-id, --block-size)")
+    with torch.no_grad():
+        for name, tensor in drafter.state_dict().items():
+            tensor.copy_(source.state_dict()[name])
+
+
 class Trainer:
     def __init__(
         self,
@@ -252,6 +274,10 @@ class Trainer:
             n = settings.num_layers
             src = list(range(int(target_model.config.num_hidden_layers) - n, int(target_model.config.num_hidden_layers)))
             warm_start(drafter, target_model, src)
+        elif settings.init.startswith(DRAFTER_INIT):
+            continue_from(drafter, settings.init.removeprefix(DRAFTER_INIT))
+        elif settings.init != "random":
+            raise TrainingError(f"--init {settings.init!r}: random, target or {DRAFTER_INIT}DIR (an exported drafter)")
         decay, no_decay = [], []
         for name, p in drafter.named_parameters():
             (no_decay if p.dim() < 2 else decay).append(p)
