@@ -4,7 +4,7 @@ Which kernels run, and whether their rows are independent of their company, is d
 machine by probes (``kernels``, ``aoti_kernels``, ``aoti_layers``, ``aoti_attention``); the code
 paths behind them differ by instruction set: AMX tiles on a recent Xeon, AVX-512 on an EPYC Zen 4,
 AVX2 on older EPYCs. A machine can run the paths of the instruction sets below its own, so the
-suite's exactness tests can run there as on those CPUs (``tests/test_other_isas.py``):
+suite's exactness tests can run there as on those CPUs (``tests/test_as_<set>.py``):
 
 - PyTorch's own kernels follow ``ATEN_CPU_CAPABILITY``, oneDNN's ``DNNL_MAX_CPU_ISA``;
 - inductor (the AOTInductor kernels' C++) follows ``ATEN_CPU_CAPABILITY`` but picks AMX whenever

@@ -1,6 +1,7 @@
-"""The exactness tests as on CPUs with fewer instructions than this one (dflash_core.isa_emulation):
-an AMX Xeon runs them as an AVX-512 EPYC and as an AVX2 one would, so a kernel path that breaks
-losslessness on another CPU fails here, not on a newcomer's machine."""
+"""Running as a CPU with fewer instructions than this one (dflash_core.isa_emulation): which sets,
+the kernel cache kept apart, the CLI's check. The exactness tests themselves run that way in
+test_as_<set>.py (an AMX Xeon runs them as an AVX-512 EPYC and as an AVX2 one would), so a kernel
+path that breaks losslessness on another CPU fails here, not on a newcomer's machine."""
 
 from __future__ import annotations
 
@@ -14,12 +15,6 @@ import pytest
 from dflash_core import aoti_kernels, isa_emulation
 
 ROOT = Path(__file__).resolve().parent.parent
-# Every test whose kernels or rounding depend on the instruction set: the probes, the compiled
-# layers, attention and drafter, the packed matrices, and greedy lossless decoding of chains and
-# trees on every family (the fallbacks after a failed build depend on none: left out).
-EXACTNESS_TESTS = ("tests/test_aoti_layers.py", "tests/test_aoti_attention.py", "tests/test_aoti_drafter.py",
-                   "tests/test_aoti_kernels.py", "tests/test_kernels.py", "tests/test_tree.py",
-                   "tests/test_speculative.py")
 
 
 def test_only_known_sets_are_emulated_and_below_this_cpu(monkeypatch):
@@ -58,26 +53,7 @@ def test_the_cli_runs_as_the_cpu_its_environment_names_and_refuses_one_it_cannot
     assert result.returncode != 0 and "emulating avx512-no-amx: PyTorch runs AVX2" in result.stderr
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("isa", list(isa_emulation.ISAS))
-def test_the_exactness_tests_pass_as_on_a_cpu_with_fewer_instructions(isa, tmp_path):
-    if isa not in isa_emulation.emulable():
-        pytest.skip(f"this CPU cannot run as {isa} (only as instruction sets below its own)")
-    env = {**os.environ, **isa_emulation.environment(isa), "DFLASH_CACHE_DIR": str(tmp_path / "cache")}
-    for name in [n for n in env if n.startswith(("PYTEST_XDIST", "PYTEST_CURRENT"))]:
-        env.pop(name)  # the inner run is a plain pytest, on this worker's share of the cores
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "not failed",
-         "--basetemp", str(tmp_path / "inner"), *EXACTNESS_TESTS],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
-    tail = result.stdout[-6000:] + result.stderr[-2000:]
-    assert result.returncode == 0, tail
-    assert " passed" in result.stdout and " failed" not in result.stdout, tail
-    if aoti_kernels.available():  # the inner run built its kernels for the emulated CPU: none uses AMX
-        built = list(tmp_path.rglob("*.so"))
-        assert built, tail
-        assert not [p.name for p in built if b"ldtilecfg" in _disassembly(p)]
-
-
-def _disassembly(library: Path) -> bytes:
-    return subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(library)], capture_output=True, check=True).stdout
+def test_every_set_below_some_cpu_has_its_exactness_run_in_a_file_of_its_own():
+    # One file per set, so that pytest-xdist (--dist loadfile) runs them in parallel.
+    files = {p.stem for p in Path(__file__).parent.glob("test_as_*.py")}
+    assert files == {"test_as_" + isa.replace("-", "_") for isa in isa_emulation.ISAS}
