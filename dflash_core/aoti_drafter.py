@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from .aoti_kernels import INT8_ROWS, available, cached, kernel_dir, spec_digest
-from .aoti_layers import CompiledHalf, LayerSpec, _close, _Matrix, _norm, build_kernel, layer_library
+from .aoti_layers import CompiledHalf, LayerSpec, Matrix, build_kernel, close_to_rounding, layer_library, rms_norm
 from .drafter import DrafterCache, rotate_half
 
 # Set to 0 to run the drafter's layers matrix by matrix (to measure one against the other).
@@ -62,7 +62,7 @@ class _DrafterBefore(torch.nn.Module):
         super().__init__()
         self.spec = spec
         self.ln1 = torch.nn.Parameter(torch.ones(spec.hidden), requires_grad=False)
-        self.qkv = _Matrix(spec.kind, *spec.qkv(), False)
+        self.qkv = Matrix(spec.kind, *spec.qkv(), False)
         self.q_norm = torch.nn.Parameter(torch.ones(spec.head_dim), requires_grad=False)
         self.k_norm = torch.nn.Parameter(torch.ones(spec.head_dim), requires_grad=False)
 
@@ -70,10 +70,10 @@ class _DrafterBefore(torch.nn.Module):
         s = self.spec
         h, kv, d = s.heads, s.kv_heads, s.head_dim
         q_rows = x.shape[0]
-        qkv = self.qkv(torch.cat((_norm(x, self.ln1, s.eps), context))).unflatten(-1, (h + 2 * kv, d))
+        qkv = self.qkv(torch.cat((rms_norm(x, self.ln1, s.eps), context))).unflatten(-1, (h + 2 * kv, d))
         cos, sin = torch.cat((cos_block, cos_context)), torch.cat((sin_block, sin_context))
-        q = _rotate(_norm(qkv[:q_rows, :h], self.q_norm, s.eps), cos_block, sin_block)
-        k = _rotate(_norm(qkv[:, h : h + kv], self.k_norm, s.eps), cos, sin)
+        q = _rotate(rms_norm(qkv[:q_rows, :h], self.q_norm, s.eps), cos_block, sin_block)
+        k = _rotate(rms_norm(qkv[:, h : h + kv], self.k_norm, s.eps), cos, sin)
         return q, k, qkv[:, h + kv :]
 
 
@@ -182,7 +182,7 @@ def _probe(layer, compiled: CompiledDrafterLayer, kind: str) -> bool:
             rope_context = _rotary(torch.arange(first, first + context_rows), dim)
             want = layer(x, context, rope_block, rope_context, None, caches[0], 0)
             got = compiled(x, context, rope_block, rope_context, caches[1], 0, None)
-            if not _close(got - x, want - x, kind):
+            if not close_to_rounding(got - x, want - x, kind):
                 return False
     return True
 

@@ -57,14 +57,14 @@ class LayerSpec:
                 "gate_up": (2 * self.intermediate, self.hidden), "down": (self.hidden, self.intermediate)}
 
 
-def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # FastTarget.norm's math, op for op.
     y = x.float()
     y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
     return weight * y.to(x.dtype)
 
 
-class _Matrix(torch.nn.Module):
+class Matrix(torch.nn.Module):
     """One matrix as the eager layer runs it: ``kernels.Linear`` (fp32) or ``QuantizedLinear`` of
     an ``Int8Weight`` (int8 codes, per-channel scales, rows in bf16)."""
 
@@ -93,17 +93,17 @@ class _Before(torch.nn.Module):
         self.spec = spec
         n, k = spec.shapes()["qkv"]
         self.ln1 = torch.nn.Parameter(torch.ones(spec.hidden), requires_grad=False)
-        self.qkv = _Matrix(spec.kind, n, k, "qkv" in spec.biases)
+        self.qkv = Matrix(spec.kind, n, k, "qkv" in spec.biases)
         if spec.qk_norm:
             self.qk_norm = torch.nn.Parameter(torch.ones(spec.heads + spec.kv_heads, spec.head_dim), requires_grad=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         s = self.spec
         h, kv, d = s.heads, s.kv_heads, s.head_dim
-        qkv = self.qkv(_norm(x, self.ln1, s.eps)).unflatten(-1, (h + 2 * kv, d))
+        qkv = self.qkv(rms_norm(x, self.ln1, s.eps)).unflatten(-1, (h + 2 * kv, d))
         qk = qkv[:, : h + kv]
         if s.qk_norm:
-            qk = _norm(qk, self.qk_norm, s.eps)
+            qk = rms_norm(qk, self.qk_norm, s.eps)
         qk = qk * cos + qk.roll(d // 2, dims=-1) * sin
         return qk[:, :h], qk[:, h:], qkv[:, h + kv :]
 
@@ -115,14 +115,14 @@ class _After(torch.nn.Module):
         super().__init__()
         self.spec = spec
         shapes = spec.shapes()
-        self.o = _Matrix(spec.kind, *shapes["o"], "o" in spec.biases)
+        self.o = Matrix(spec.kind, *shapes["o"], "o" in spec.biases)
         self.ln2 = torch.nn.Parameter(torch.ones(spec.hidden), requires_grad=False)
-        self.gate_up = _Matrix(spec.kind, *shapes["gate_up"], "gate_up" in spec.biases)
-        self.down = _Matrix(spec.kind, *shapes["down"], "down" in spec.biases)
+        self.gate_up = Matrix(spec.kind, *shapes["gate_up"], "gate_up" in spec.biases)
+        self.down = Matrix(spec.kind, *shapes["down"], "down" in spec.biases)
 
     def forward(self, x: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
         x = x + self.o(attention)
-        gate, up = self.gate_up(_norm(x, self.ln2, self.spec.eps)).chunk(2, dim=-1)
+        gate, up = self.gate_up(rms_norm(x, self.ln2, self.spec.eps)).chunk(2, dim=-1)
         return x + self.down(F.silu(gate) * up)
 
 
@@ -189,7 +189,7 @@ def _constants(plan: list[dict], params: dict[str, torch.Tensor]) -> dict[str, t
             for c in plan}
 
 
-def _close(got: torch.Tensor, want: torch.Tensor, kind: str) -> bool:
+def close_to_rounding(got: torch.Tensor, want: torch.Tensor, kind: str) -> bool:
     """To rounding: fp32's for fp32 matrices; bf16 rows' for int8 ones. A constant in the wrong
     place is off by the size of the results themselves."""
     tolerance = 1e-4 if kind == "float32" else 2e-2
@@ -219,7 +219,7 @@ def _build(spec: LayerSpec, half: str, library: Path) -> dict:
 
 def build_kernel(module: torch.nn.Module, example: Callable[..., tuple], matrices: dict[str, tuple[int, int]], kind: str,
                  library: Path, meta: dict, dynamic_shapes: tuple | None = None) -> dict:
-    """``module`` (holding ``matrices``, name -> (out, in) features, as ``_Matrix`` of ``kind``)
+    """``module`` (holding ``matrices``, name -> (out, in) features, as ``Matrix`` of ``kind``)
     compiled into ``library`` with its constants' plan; ``example(rows, generator=None)`` gives
     inputs. The plan is proven on random weights against the eager module before it is installed."""
     with tempfile.TemporaryDirectory(dir=library.parent) as folder:
@@ -241,7 +241,7 @@ def build_kernel(module: torch.nn.Module, example: Callable[..., tuple], matrice
             swap_in(runner, _constants(plan, params))
             with torch.inference_mode():
                 got = runner.run(list(inputs))
-            if len(got) == len(want) and all(_close(g, w, kind) for g, w in zip(got, want)):
+            if len(got) == len(want) and all(close_to_rounding(g, w, kind) for g, w in zip(got, want)):
                 return install(staged, library, {**meta, "constants": plan})
         raise RuntimeError("the compiled layer's results are not the eager layer's")
 
@@ -351,9 +351,9 @@ def compiled_layers(target) -> tuple[list[CompiledLayer] | None, str]:
         before, after = (CompiledHalf(*libraries[half], params) for half in MATRICES)
         with torch.inference_mode():
             eager_before = target.attention_inputs(layer, x, cos, sin)
-            if not all(_close(g, w, spec.kind) for g, w in zip(before(x, cos, sin), eager_before)):
+            if not all(close_to_rounding(g, w, spec.kind) for g, w in zip(before(x, cos, sin), eager_before)):
                 return None, f"layer {i}'s compiled attention inputs are not the eager ones"
-            if not _close(after(x, attention), target.finish_layer(layer, x, attention), spec.kind):
+            if not close_to_rounding(after(x, attention), target.finish_layer(layer, x, attention), spec.kind):
                 return None, f"layer {i}'s compiled finish is not the eager one"
         out.append(CompiledLayer(**{f.name: getattr(layer, f.name) for f in fields(FusedLayer)}, before=before, after=after))
     return out, f"{len(out)} of {len(layers)} decoder layers compiled whole around attention ({spec.kind} matrices)"
