@@ -4,7 +4,9 @@
 
 Made for one call on a lent GPU machine (at most 9 minutes of wall clock, ``--minutes``): the
 stages share the budget by the clock (generate ``--gen-share`` of it, features, then a fit whose
-step count is re-planned from its measured pace to end in time, export, and a quick tau). It
+step count is re-planned from its measured pace to end in time, export, and a quick tau). The fit
+takes every k-th shard of the committed and new data, so that their features fit the machine's
+disk (``--fit-tokens``: 4 M tokens with their prompts by default, ~28 GB of features). It
 needs torch, transformers, accelerate, numpy, safetensors and tqdm (a lent machine's own python3
 has them), plus ``gguf`` for a .gguf target; the project need not be installed: the script puts
 the checkout on ``sys.path`` itself. ``--device cpu --tiny`` runs every stage at toy scale on a
@@ -56,6 +58,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompts", type=Path, default=ROOT / "assets/data/train_prompts.jsonl.gz")
     p.add_argument("--data", type=Path, default=ROOT / "assets/data/smollm2-answers",
                    help="committed shards: generation continues after their cursor and the fit uses them too")
+    p.add_argument("--fit-tokens", type=int, default=4_000_000,
+                   help="train on every k-th shard, k the smallest that keeps the data (answers with their prompts) "
+                        "within this many tokens: their features take ~7 KB a token of the machine's disk")
     p.add_argument("--sequences-per-step", type=int, default=32)
     p.add_argument("--eval-prompts", type=int, default=8, help="HumanEval and held-out prompts for the quick tau")
     p.add_argument("--work", type=Path, default=None, help="scratch directory (default: a new temporary one)")
@@ -141,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     from dflash_core.loading import load_target
     from dflash_core.training.cli import target_source
     from dflash_core.training.recipe import RecipeOptions, run_recipe
-    from dflash_core.training.shards import DataDir
+    from dflash_core.training.shards import DataDir, select_shards, spread_selection
 
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
@@ -169,6 +174,12 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     run_recipe(target, options, ["generate"])
     stage_s["generate"] = round(time.time() - t0, 1)
+    # Every committed shard would not fit a lent machine's disk as features (8.2 M answer tokens
+    # and their prompts are ~80 GB; it has 64): a spread of them that does.
+    options.shard_select = spread_selection(DataDir(shards).shards, args.fit_tokens)
+    fit_shards = select_shards(DataDir(shards).shards, options.shard_select)
+    _say(f"fitting on shards {options.shard_select} ({len(fit_shards)} shards, "
+         f"{sum(s['answer_tokens'] + s['prompt_tokens'] for s in fit_shards)} tokens with their prompts)")
     t0 = time.time()
     run_recipe(target, options, ["features"])
     stage_s["features"] = round(time.time() - t0, 1)
@@ -205,7 +216,9 @@ def main(argv: list[str] | None = None) -> int:
             "prompt_tokens": after.manifest["totals"].get("prompt_tokens", 0),
             "new_answers": sum(s["answers"] for s in new), "new_answer_tokens": sum(s["answer_tokens"] for s in new),
             "generate_tokens_per_s": round(sum(s["answer_tokens"] for s in new) / max(stage_s["generate"], 1e-9), 1),
-            "committed_shards_used": len(committed), "new_shards": [s["file"] for s in new]}
+            "committed_shards_used": len(committed), "new_shards": [s["file"] for s in new],
+            "fit_selection": options.shard_select, "fit_shards": len(fit_shards),
+            "fit_answer_tokens": sum(s["answer_tokens"] for s in fit_shards)}
     header = {"kind": "run", "hardware": hardware_summary(), "device": args.device, "dtype": args.dtype,
               "target": target.name, "settings": settings.to_json(), "data": data, "minutes": args.minutes}
     lines = [json.dumps(header)]

@@ -38,12 +38,13 @@ def test_the_gpu_recipe_runs_every_stage_on_the_cpu_within_its_budget(tiny_chat_
     generate_shards(tiny_chat_target, GenDataOptions(prompts_file=tmp_path / "prompts.jsonl", data_dir=committed,
                                                      shard_prompts=6, slots=3, max_new_tokens=12, max_answer_tokens=1))
     cursor = DataDir(committed).cursor
+    committed_tokens = DataDir(committed).shards[0]["answer_tokens"] + DataDir(committed).shards[0]["prompt_tokens"]
     out = tmp_path / "out"
     target_dir = tiny_chat_target.source.location
     done = run_script("--device", "cpu", "--tiny", "--dtype", "float32", "--target", target_dir, "--out", str(out),
                       "--minutes", "0.75", "--gen-share", "0.2", "--slots", "4", "--shard-prompts", "8",
                       "--prompts", str(tmp_path / "prompts.jsonl"), "--data", str(committed), "--eval-prompts", "1",
-                      "--pack-mb", "0.05", cwd=tmp_path)
+                      "--pack-mb", "0.05", "--fit-tokens", str(committed_tokens + 1), cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-4000:]
     report = json.loads((out / "report.json").read_text())
     # Within the budget (45 s), give or take the export, the quick tau and the interpreter's start.
@@ -52,6 +53,9 @@ def test_the_gpu_recipe_runs_every_stage_on_the_cpu_within_its_budget(tiny_chat_
     assert report["data"]["new_answers"] > 0 and report["data"]["committed_shards_used"] == 1
     assert report["data"]["answers"] == report["data"]["new_answers"] + DataDir(committed).manifest["totals"]["answers"]
     assert report["quick_tau_b16"]["heldout"]["tau"] >= 1.0
+    # The fit's data thinned to the budget its features may take on the machine's disk.
+    shards = DataDir(committed).shards + [{"file": f} for f in report["data"]["new_shards"]]
+    assert report["data"]["fit_selection"].startswith("::") and 1 <= report["data"]["fit_shards"] < len(shards)
     # The training log: a header with hardware, settings and data size, the fit's lines, a result.
     lines = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
     assert lines[0]["kind"] == "run" and lines[0]["hardware"] and lines[0]["data"]["answer_tokens"] > 0

@@ -15,7 +15,8 @@ from dflash_core.training.gen_data import GenDataOptions, generate_shards
 from dflash_core.training.prompt_sources import Prompt, split, write_prompts
 from dflash_core.training.recipe import RecipeOptions, run_recipe
 from dflash_core.training.selfdistill import chat_ids
-from dflash_core.training.shards import DataDir, ShardContent, read_samples, read_shard, select_shards, write_shard
+from dflash_core.training.shards import (DataDir, ShardContent, read_samples, read_shard, select_shards,
+                                          spread_selection, write_shard)
 from dflash_core.training.trainer import TrainSettings
 
 
@@ -175,6 +176,16 @@ def test_select_shards_reads_python_slices_over_the_manifest_order():
     assert select_shards(shards, ":3") == shards[:3]
     assert select_shards(shards, "0:8:4, 6:") == [shards[i] for i in (0, 4, 6, 7, 8, 9)]  # in order, each once
     assert select_shards(shards, "-2:") == shards[-2:]
+
+
+def test_a_spread_selection_thins_the_whole_range_to_a_token_budget():
+    shards = [{"answer_tokens": 80, "prompt_tokens": 20} for _ in range(10)]
+    assert spread_selection(shards, 1000) == "::1"
+    assert spread_selection(shards, 999) == "::2"  # shards 0, 2, 4, 6, 8
+    assert select_shards(shards, spread_selection(shards, 350)) == shards[::4]  # 0, 4, 8
+    assert spread_selection(shards, 100) == "::10"
+    with pytest.raises(TrainingError, match="the first shard alone holds 100 tokens, over the budget of 99"):
+        spread_selection(shards, 99)
 
 
 def test_a_fit_can_go_on_from_an_exported_drafter_and_refuses_one_of_another_shape(tiny_chat_target, tmp_path):

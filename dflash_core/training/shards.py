@@ -210,6 +210,19 @@ def select_shards(shards: Sequence[dict[str, Any]], selection: str | None) -> li
     return [shards[i] for i in sorted(chosen)]
 
 
+def spread_selection(shards: Sequence[dict[str, Any]], max_tokens: int) -> str:
+    """A selection (``select_shards``' syntax) of every k-th shard, k the smallest step whose
+    shards hold at most ``max_tokens`` tokens, answers with their prompts: the data's whole range,
+    thinned to what a feature cache of that size holds (~7 KB a token with the recipe's layers)."""
+    def tokens(chosen: Sequence[dict[str, Any]]) -> int:
+        return sum(s["answer_tokens"] + s["prompt_tokens"] for s in chosen)
+
+    for step in range(1, len(shards) + 1):
+        if tokens(shards[::step]) <= max_tokens:
+            return f"::{step}"
+    raise TrainingError(f"the first shard alone holds {tokens(shards[:1])} tokens, over the budget of {max_tokens}")
+
+
 def read_samples(directory: str | Path, features_dir: str | Path | None = None,
                  selection: str | None = None) -> list[Sample]:
     """Every answer of the shards the manifest lists (those ``selection`` names, if given: see
