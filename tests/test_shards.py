@@ -155,6 +155,13 @@ def test_a_shard_selection_trains_on_those_shards_only_and_says_so(tiny_chat_tar
     info = json.loads((tmp_path / "drafter" / "training_info.json").read_text())
     assert (f"from {len(used)} committed shards of {tmp_path / 'data'} "
             f"({sum(s['answer_tokens'] for s in used)} answer tokens") in info["data"]
+    counts = {}  # the prompts' sources, as the chosen shards count them, most first
+    for shard in used:
+        for source, n in shard["sources"].items():
+            counts[source] = counts.get(source, 0) + n
+    assert sum(counts.values()) == len(chosen) and set(counts) == {"test"}  # sources by family
+    listed = ", ".join(f"{source} {n}" for source, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+    assert f"{len(chosen)} prompts ({listed}) and the target's own greedy answers" in info["data"]
     for flags, message in (
         (["--shard-limit", "-1", "--shards", str(tmp_path / "data")], "--shard-limit -1: a number of shards (0: all), with --shards"),
         (["--shard-limit", "2"], "--shard-limit 2: a number of shards (0: all), with --shards"),

@@ -195,11 +195,17 @@ def run_recipe(target: LoadedTarget, options: RecipeOptions, stages: list[str]) 
         def do_export() -> dict[str, Any]:
             stages_log = log.data["stages"]
             tokens = stages_log.get("features", {}).get("tokens", "?")
-            data = (f"{tokens} tokens: {stages_log.get('features', {}).get('sequences', '?')} prompts "
-                    "(journal-prompts, chatterbot-corpus, chitchat-dataset, third-party code stubs, templates) "
-                    "and the target's own greedy answers to them")
+            sources = "journal-prompts, chatterbot-corpus, chitchat-dataset, third-party code stubs, templates"
             if options.shards_dir is not None:
                 used = select_shards(DataDir(options.shards_dir).shards, options.shard_select)
+                counts: dict[str, int] = {}
+                for shard in used:
+                    for source, n in shard.get("sources", {}).items():
+                        counts[source] = counts.get(source, 0) + n
+                sources = ", ".join(f"{source} {n}" for source, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+            data = (f"{tokens} tokens: {stages_log.get('features', {}).get('sequences', '?')} prompts "
+                    f"({sources}) and the target's own greedy answers to them")
+            if options.shards_dir is not None:
                 data += (f", from {len(used)} committed shards of {options.shards_dir} "
                          f"({sum(s['answer_tokens'] for s in used)} answer tokens, {sum(s['wall_s'] for s in used) / 60:.0f} min of "
                          "generation)")
