@@ -176,8 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     stage_s["generate"] = round(time.time() - t0, 1)
     # Every committed shard would not fit a lent machine's disk as features (8.2 M answer tokens
     # and their prompts are ~80 GB; it has 64): a spread of them that does.
-    options.shard_select = spread_selection(DataDir(shards).shards, args.fit_tokens)
-    fit_shards = select_shards(DataDir(shards).shards, options.shard_select)
+    available = DataDir(shards).shards
+    options.shard_select = spread_selection(available, args.fit_tokens)
+    fit_shards = select_shards(available, options.shard_select)
     _say(f"fitting on shards {options.shard_select} ({len(fit_shards)} shards, "
          f"{sum(s['answer_tokens'] + s['prompt_tokens'] for s in fit_shards)} tokens with their prompts)")
     t0 = time.time()

@@ -213,6 +213,11 @@ def test_a_fit_can_go_on_from_an_exported_drafter_and_refuses_one_of_another_sha
     again = DFlashDrafter.from_pretrained(tmp_path / "second")
     for name, tensor in exported.state_dict().items():
         assert torch.equal(again.state_dict()[name], tensor), name
+    # The fit measures where it starts from, before any step, on its own validation split.
+    log = [json.loads(line) for line in next((tmp_path / "b").glob("fit-*/train_log.jsonl")).read_text().splitlines()]
+    assert [line["step"] for line in log] == [0] and "valid_tau_proxy" in log[0] and "loss" not in log[0]
+    first_log = next((tmp_path / "a").glob("fit-*/train_log.jsonl")).read_text()
+    assert '"step": 0' not in first_log  # a fit from random or target weights has nothing to measure first
     settings.num_layers = 2
     third = RecipeOptions(work_dir=tmp_path / "c", out_dir=tmp_path / "third", shards_dir=tmp_path / "data",
                           draft_vocab=0, command="test", settings=settings)

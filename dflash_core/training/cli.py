@@ -144,12 +144,12 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise TrainingError(f"unknown stage(s) {unknown}; allowed: {', '.join(STAGES)}")
     if args.shard_limit < 0 or (args.shard_limit and args.shards is None):
         raise TrainingError(f"--shard-limit {args.shard_limit}: a number of shards (0: all), with --shards")
-    if args.shard_select is not None and (args.shards is None or args.shard_limit):
-        raise TrainingError("--shard-select goes with --shards, and instead of --shard-limit (--shard-limit N is "
-                            "--shard-select :N)")
-    if args.shard_select is not None:  # a mistyped selection fails here, before the target loads
+    if args.shard_select is not None:
+        if args.shards is None or args.shard_limit:
+            raise TrainingError("--shard-select goes with --shards, and instead of --shard-limit (--shard-limit N is "
+                                "--shard-select :N)")
         from .shards import DataDir, select_shards
-        select_shards(DataDir(args.shards).shards, args.shard_select)
+        select_shards(DataDir(args.shards).shards, args.shard_select)  # a mistyped one fails before the target loads
     settings = TrainSettings()
     for f in dataclasses.fields(TrainSettings):
         value = getattr(args, f.name)

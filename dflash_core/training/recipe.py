@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -195,20 +196,18 @@ def run_recipe(target: LoadedTarget, options: RecipeOptions, stages: list[str]) 
         def do_export() -> dict[str, Any]:
             stages_log = log.data["stages"]
             tokens = stages_log.get("features", {}).get("tokens", "?")
-            sources = "journal-prompts, chatterbot-corpus, chitchat-dataset, third-party code stubs, templates"
+            sources, origin = "journal-prompts, chatterbot-corpus, chitchat-dataset, third-party code stubs, templates", ""
             if options.shards_dir is not None:
                 used = select_shards(DataDir(options.shards_dir).shards, options.shard_select)
-                counts: dict[str, int] = {}
+                counts: Counter[str] = Counter()
                 for shard in used:
-                    for source, n in shard.get("sources", {}).items():
-                        counts[source] = counts.get(source, 0) + n
-                sources = ", ".join(f"{source} {n}" for source, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+                    counts.update(shard.get("sources", {}))
+                sources = ", ".join(f"{source} {n}" for source, n in counts.most_common())
+                origin = (f", from {len(used)} committed shards of {options.shards_dir} "
+                          f"({sum(s['answer_tokens'] for s in used)} answer tokens, "
+                          f"{sum(s['wall_s'] for s in used) / 60:.0f} min of generation)")
             data = (f"{tokens} tokens: {stages_log.get('features', {}).get('sequences', '?')} prompts "
-                    f"({sources}) and the target's own greedy answers to them")
-            if options.shards_dir is not None:
-                data += (f", from {len(used)} committed shards of {options.shards_dir} "
-                         f"({sum(s['answer_tokens'] for s in used)} answer tokens, {sum(s['wall_s'] for s in used) / 60:.0f} min of "
-                         "generation)")
+                    f"({sources}) and the target's own greedy answers to them{origin}")
             info = {
                 "target": target.name,
                 "data": data,

@@ -209,9 +209,7 @@ def continue_from(drafter: DFlashDrafter, directory: str | Path) -> None:
     if differs:
         raise TrainingError(f"--init {DRAFTER_INIT}{directory}: that drafter has {', '.join(differs)}; "
                             "give the fit its settings (--num-layers, --target-layer-ids, --mask-token-id, --block-size)")
-    with torch.no_grad():
-        for name, tensor in drafter.state_dict().items():
-            tensor.copy_(source.state_dict()[name])
+    drafter.load_state_dict(source.state_dict())  # copied into this fit's fp32 parameters
 
 
 class Trainer:
@@ -474,6 +472,11 @@ class Trainer:
         bar = tqdm(total=st.steps, initial=self.step, desc="train drafter", file=sys.stderr,
                    dynamic_ncols=True, mininterval=5.0, disable=not progress or not self.accelerator.is_main_process)
         started = time.time() - self.elapsed
+        if self.step == 0 and st.init.startswith(DRAFTER_INIT):
+            # Where a drafter trained on starts from, on this data's validation split: what the new
+            # data and steps add is measured against it.
+            last_eval = self.evaluate()
+            self._log({"step": 0, "elapsed_s": 0.0, **last_eval})
         while self.step < st.steps:
             metrics = self.train_step()
             self.elapsed = time.time() - started
@@ -484,9 +487,7 @@ class Trainer:
             if self.step % st.eval_every == 0 or self.step == st.steps:
                 last_eval = self.evaluate()
                 record.update(last_eval)
-            if self.accelerator.is_main_process:
-                with open(self.log_file, "a") as fh:
-                    fh.write(json.dumps(record) + "\n")
+            self._log(record)
             if self.step % st.checkpoint_every == 0 or self.step == st.steps:
                 self.save_checkpoint()
             bar.update(1)
@@ -495,6 +496,11 @@ class Trainer:
                             val_tau=last_eval.get("valid_tau_proxy_draft", last_eval.get("valid_tau_proxy", "-")))
         bar.close()
         return {"steps": self.step, "elapsed_s": self.elapsed, **last_eval}
+
+    def _log(self, record: dict[str, Any]) -> None:
+        if self.accelerator.is_main_process:
+            with open(self.log_file, "a") as fh:
+                fh.write(json.dumps(record) + "\n")
 
     def unwrapped(self) -> DFlashDrafter:
         return self.accelerator.unwrap_model(self.drafter)
