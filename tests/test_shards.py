@@ -218,11 +218,25 @@ def test_a_fit_can_go_on_from_an_exported_drafter_and_refuses_one_of_another_sha
     assert [line["step"] for line in log] == [0] and "valid_tau_proxy" in log[0] and "loss" not in log[0]
     first_log = next((tmp_path / "a").glob("fit-*/train_log.jsonl")).read_text()
     assert '"step": 0' not in first_log  # a fit from random or target weights has nothing to measure first
+    # More layers than the source grows it: the new layers start as identities (zero output
+    # projections), so the grown drafter measures exactly what the source did before any step.
     settings.num_layers = 2
     third = RecipeOptions(work_dir=tmp_path / "c", out_dir=tmp_path / "third", shards_dir=tmp_path / "data",
                           draft_vocab=0, command="test", settings=settings)
-    with pytest.raises(TrainingError, match=r"that drafter has 1 layers \(this fit: 2\).*--num-layers"):
-        run_recipe(tiny_chat_target, third, ["features", "fit"])
+    run_recipe(tiny_chat_target, third, ["features", "fit", "export"])
+    grown = DFlashDrafter.from_pretrained(tmp_path / "third")
+    assert len(grown.layers) == 2
+    for name, tensor in exported.state_dict().items():
+        assert torch.equal(grown.state_dict()[name], tensor), name
+    for name in ("self_attn.o_proj.weight", "mlp.down_proj.weight"):
+        assert not grown.state_dict()[f"layers.1.{name}"].any(), name
+    assert grown.state_dict()["layers.1.self_attn.q_proj.weight"].any()  # the rest drawn as a fresh layer's
+    grown_log = [json.loads(line) for line in next((tmp_path / "c").glob("fit-*/train_log.jsonl")).read_text().splitlines()]
+    assert grown_log[0]["valid_tau_proxy"] == log[0]["valid_tau_proxy"]
+    # ... and a fit may not drop layers.
+    settings.num_layers, settings.init = 1, f"drafter:{tmp_path / 'third'}"
+    with pytest.raises(TrainingError, match=r"that drafter has 2 layers \(this fit: 1; a fit may add layers, not drop them\).*--num-layers"):
+        run_recipe(tiny_chat_target, second, ["features", "fit"])
     settings.num_layers, settings.init = 1, "drafters"
     with pytest.raises(TrainingError, match="random, target or drafter:DIR"):
         run_recipe(tiny_chat_target, third, ["features", "fit"])

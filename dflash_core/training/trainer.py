@@ -198,18 +198,35 @@ DRAFTER_INIT = "drafter:"
 
 def continue_from(drafter: DFlashDrafter, directory: str | Path) -> None:
     """Start the fit from an exported drafter's weights (a new schedule on new data, where a
-    checkpoint's resume would go on with its own), refusing one of another shape."""
+    checkpoint's resume would go on with its own), refusing one of another shape.
+
+    A fit with more layers than the source grows it: the source's layers come first, and each new
+    layer's output projections (attention's o_proj, the MLP's down_proj) start at zero, so the new
+    layers add nothing to the residual stream and the grown drafter drafts exactly as the source
+    did at step 0; the fit then trains them in (the data showed the drafter underfitting, not
+    overfitting: docs/TRAINING.md)."""
     source = DFlashDrafter.from_pretrained(directory)
     ours, theirs = drafter.config, source.config
     differs = [f"{name} {getattr(theirs, name)} (this fit: {getattr(ours, name)})"
                for name in ("hidden_size", "block_size", "mask_token_id", "target_layer_ids")
                if getattr(ours, name) != getattr(theirs, name)]
-    if len(source.layers) != len(drafter.layers):
-        differs.append(f"{len(source.layers)} layers (this fit: {len(drafter.layers)})")
+    if ours.qwen3.intermediate_size != theirs.qwen3.intermediate_size:
+        differs.append(f"intermediate_size {theirs.qwen3.intermediate_size} (this fit: {ours.qwen3.intermediate_size})")
+    if len(source.layers) > len(drafter.layers):
+        differs.append(f"{len(source.layers)} layers (this fit: {len(drafter.layers)}; a fit may add layers, not drop them)")
     if differs:
         raise TrainingError(f"--init {DRAFTER_INIT}{directory}: that drafter has {', '.join(differs)}; "
                             "give the fit its settings (--num-layers, --target-layer-ids, --mask-token-id, --block-size)")
-    drafter.load_state_dict(source.state_dict())  # copied into this fit's fp32 parameters
+    # strict=False: the grown fit's extra layers are absent from the source; anything else missing is a bug
+    missing, unexpected = drafter.load_state_dict(source.state_dict(), strict=False)  # into the fit's fp32 parameters
+    grown = range(len(source.layers), len(drafter.layers))
+    assert not unexpected and all(any(key.startswith(f"layers.{i}.") for i in grown) for key in missing), (missing, unexpected)
+    with torch.no_grad():
+        for i in grown:
+            for projection in (drafter.layers[i].self_attn.o_proj, drafter.layers[i].mlp.down_proj):
+                projection.weight.zero_()
+                if projection.bias is not None:
+                    projection.bias.zero_()
 
 
 class Trainer:
