@@ -171,11 +171,14 @@ def swap_in(runner, constants: dict[str, torch.Tensor]) -> None:
 
 
 def compile_shared_object(module: torch.nn.Module, example: tuple, folder: Path, name: str,
-                          dynamic_shapes: tuple | None = None, configs: dict | None = None) -> tuple[Path, str]:
+                          dynamic_shapes: tuple | None = None, configs: dict | None = None,
+                          drop_metadata_asserts: bool = False) -> tuple[Path, str]:
     """``module`` compiled by AOTInductor (inductor's C++ GEMMs, max-autotune, frozen weights left
     out of the object; ``configs`` overrides), dimension 0 of every input (the rows) dynamic unless
     ``dynamic_shapes`` says otherwise: the shared object, staged in ``folder`` as ``name``, and the
-    generated C++ source (it declares the constants' shapes)."""
+    generated C++ source (it declares the constants' shapes). ``drop_metadata_asserts``: remove
+    the ``_assert_tensor_metadata`` checks export adds after dtype casts first (no-ops at run
+    time, but a second user of the value they check, which stops inductor's fusion patterns)."""
     import torch._inductor  # seconds to import: only when a kernel is built
 
     rows = torch.export.Dim("rows", min=1, max=1 << 16)
@@ -185,6 +188,11 @@ def compile_shared_object(module: torch.nn.Module, example: tuple, folder: Path,
     with torch.no_grad():
         shapes = dynamic_shapes if dynamic_shapes is not None else tuple({0: rows} for _ in example)
         program = torch.export.export(module, example, dynamic_shapes=shapes)
+        if drop_metadata_asserts:
+            graph = program.graph_module.graph
+            for node in [n for n in graph.nodes if n.target == torch.ops.aten._assert_tensor_metadata.default]:
+                graph.erase_node(node)
+            program.graph_module.recompile()
         torch._inductor.aoti_compile_and_package(program, package_path=str(package), inductor_configs=configs)
     with zipfile.ZipFile(package) as archive:
         members = [m for m in archive.namelist() if m.endswith(".so")]

@@ -33,6 +33,7 @@ from .aoti_kernels import (INT8_ROWS, VNNI_CANDIDATES, blocked, cached, compile_
                            load_runner, spec_digest, swap_in)
 from .families import FusedLayer
 from .kernels import probe_rows
+from .weight_formats import DYNAMIC_MATRICES, quantize_rows
 
 MATRICES = {"before": ("qkv",), "after": ("o", "gate_up", "down")}
 
@@ -41,7 +42,7 @@ MATRICES = {"before": ("qkv",), "after": ("o", "gate_up", "down")}
 class LayerSpec:
     """What a compiled layer half depends on besides the machine: the model's shapes and math."""
 
-    kind: str  # "float32" or "int8" (the layers' matrices; rows and the rest in float32)
+    kind: str  # "float32", "int8" or "w8a8" (the layers' matrices, see matrix_kind; the rest in float32)
     hidden: int
     heads: int
     kv_heads: int
@@ -50,6 +51,10 @@ class LayerSpec:
     eps: float
     biases: tuple[str, ...] = ()  # the matrices with a bias
     qk_norm: bool = False
+
+    def matrix_kind(self, name: str) -> str:
+        """How matrix ``name`` runs: w8a8 layers keep ``down`` weight-only int8 (weight_formats.DYNAMIC_MATRICES)."""
+        return "int8" if self.kind == "w8a8" and name not in DYNAMIC_MATRICES else self.kind
 
     def shapes(self) -> dict[str, tuple[int, int]]:
         qkv = (self.heads + 2 * self.kv_heads) * self.head_dim
@@ -65,13 +70,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class Matrix(torch.nn.Module):
-    """One matrix as the eager layer runs it: ``kernels.Linear`` (fp32) or ``QuantizedLinear`` of
-    an ``Int8Weight`` (int8 codes, per-channel scales, rows in bf16)."""
+    """One matrix as the eager layer runs it: ``kernels.Linear`` (fp32), ``QuantizedLinear`` of
+    an ``Int8Weight`` (int8 codes, per-channel scales, rows in bf16) or of a ``DynamicInt8Weight``
+    (``w8a8``: rows smoothed and quantized per row, int8 x int8; the codes stored (in, out), as
+    ``torch._int_mm`` takes them and inductor's int8 GEMM pattern wants them)."""
 
     def __init__(self, kind: str, out_features: int, in_features: int, bias: bool) -> None:
         super().__init__()
         self.kind = kind
-        if kind == "int8":
+        if kind == "w8a8":
+            self.register_buffer("codes_t", torch.zeros(in_features, out_features, dtype=torch.int8))
+            self.register_buffer("scales", torch.ones(out_features))
+            self.register_buffer("smoothing", torch.ones(in_features))
+        elif kind == "int8":
             self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int8))
             self.register_buffer("scales", torch.ones(out_features, dtype=INT8_ROWS))
         else:
@@ -79,6 +90,10 @@ class Matrix(torch.nn.Module):
         self.bias = torch.nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "w8a8":  # DynamicInt8Weight's math, op for op
+            codes, row_scales = quantize_rows(x.float() / self.smoothing)
+            y = (torch._int_mm(codes, self.codes_t).float() * row_scales * self.scales).to(x.dtype)
+            return y if self.bias is None else y + self.bias
         if self.kind == "int8":
             y = torch.ops.aten._weight_int8pack_mm(x.to(INT8_ROWS), self.weight, self.scales).to(x.dtype)
             return y if self.bias is None else y + self.bias
@@ -93,7 +108,7 @@ class _Before(torch.nn.Module):
         self.spec = spec
         n, k = spec.shapes()["qkv"]
         self.ln1 = torch.nn.Parameter(torch.ones(spec.hidden), requires_grad=False)
-        self.qkv = Matrix(spec.kind, n, k, "qkv" in spec.biases)
+        self.qkv = Matrix(spec.matrix_kind("qkv"), n, k, "qkv" in spec.biases)
         if spec.qk_norm:
             self.qk_norm = torch.nn.Parameter(torch.ones(spec.heads + spec.kv_heads, spec.head_dim), requires_grad=False)
 
@@ -115,10 +130,10 @@ class _After(torch.nn.Module):
         super().__init__()
         self.spec = spec
         shapes = spec.shapes()
-        self.o = Matrix(spec.kind, *shapes["o"], "o" in spec.biases)
+        self.o = Matrix(spec.matrix_kind("o"), *shapes["o"], "o" in spec.biases)
         self.ln2 = torch.nn.Parameter(torch.ones(spec.hidden), requires_grad=False)
-        self.gate_up = Matrix(spec.kind, *shapes["gate_up"], "gate_up" in spec.biases)
-        self.down = Matrix(spec.kind, *shapes["down"], "down" in spec.biases)
+        self.gate_up = Matrix(spec.matrix_kind("gate_up"), *shapes["gate_up"], "gate_up" in spec.biases)
+        self.down = Matrix(spec.matrix_kind("down"), *shapes["down"], "down" in spec.biases)
 
     def forward(self, x: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
         x = x + self.o(attention)
@@ -160,10 +175,13 @@ def _assign(spec: LayerSpec, half: str, declared: dict[str, tuple[int, ...]], fq
 
 
 def assign_constants(module: torch.nn.Module, matrices: dict[str, tuple[int, int]], declared: dict[str, tuple[int, ...]],
-                     fqns: dict[str, str]) -> list[dict]:
-    """Where each of a kernel's constants comes from: a parameter of ``module`` (by its name) or
-    the weight of one of its ``matrices`` (name -> (out, in) features) in the blocked layout (by
-    shape; matrices of one shape in the graph's order)."""
+                     fqns: dict[str, str], values: dict[str, torch.Tensor] | None = None) -> list[dict]:
+    """Where each of a kernel's constants comes from: a parameter of ``module`` (by its name), the
+    weight of one of its ``matrices`` (name -> (out, in) features) in the blocked layout (by
+    shape; matrices of one shape in the graph's order), or, where the kernel was built with
+    distinct random parameters packaged (``values``, its constants as built), what the graph
+    made of them: a parameter or its copy in another dtype (the int8 GEMM's fp32 scales), zeros
+    (its zero-point compensation) or a scalar (its unit input scale, zero points)."""
     params = dict(module.named_parameters()) | dict(module.named_buffers())
     open_matrices = list(matrices)
     plan = []
@@ -174,19 +192,85 @@ def assign_constants(module: torch.nn.Module, matrices: dict[str, tuple[int, int
             continue
         shape = declared[name]
         match = [m for m in open_matrices if len(shape) == 3 and matrices[m] == (shape[0] * shape[2], shape[1])]
-        if not match:
+        if match:
+            open_matrices.remove(match[0])
+            plan.append({"name": name, "source": f"{match[0]}.weight", "block": shape[2]})
+            continue
+        # extract_constants_map names a constant by its original name where it has one
+        value = None if values is None else values.get(name, values.get(fqn))
+        derived = None if value is None else _derived(name, value, params)
+        if derived is None:
             raise RuntimeError(f"the kernel's constant {name} {shape} is neither a parameter nor a blocked matrix")
-        open_matrices.remove(match[0])
-        plan.append({"name": name, "source": f"{match[0]}.weight", "block": shape[2]})
+        plan.append(derived)
     if open_matrices:
         raise RuntimeError(f"no blocked weight found in the kernel for {', '.join(open_matrices)}")
     return plan
 
 
+def _derived(name: str, value: torch.Tensor, params: dict[str, torch.Tensor]) -> dict | None:
+    """How constant ``name`` (``value``, as built from ``params``) follows from the parameters."""
+    dtype = str(value.dtype).removeprefix("torch.")
+    for source, param in params.items():
+        if param.shape == value.shape and torch.equal(param.to(value.dtype), value):
+            return {"name": name, "source": source, "block": None, "dtype": dtype}
+    if not value.any():
+        return {"name": name, "zeros": list(value.shape), "block": None, "dtype": dtype}
+    if value.dim() == 0:
+        return {"name": name, "value": value.item(), "block": None, "dtype": dtype}
+    return None
+
+
 def _constants(plan: list[dict], params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {c["name"]: (params[c["source"]] if c["block"] is None
-                        else blocked(params[c["source"]], c["block"], c.get("vnni", 1)))
-            for c in plan}
+    def constant(c: dict) -> torch.Tensor:
+        if "zeros" in c:
+            return torch.zeros(c["zeros"], dtype=getattr(torch, c["dtype"]))
+        if "value" in c:
+            return torch.tensor(c["value"], dtype=getattr(torch, c["dtype"]))
+        if c["block"] is not None:
+            return blocked(params[c["source"]], c["block"], c.get("vnni", 1))
+        value = params[c["source"]]
+        return value.to(getattr(torch, c["dtype"])).contiguous() if "dtype" in c else value
+
+    return {c["name"]: constant(c) for c in plan}
+
+
+def _match_blocked_by_value(plan: list[dict], params: dict[str, torch.Tensor], values: dict[str, torch.Tensor],
+                            fqns: dict[str, str]) -> list[dict]:
+    """``plan``'s blocked matrices placed by their built values where the kernel was built with
+    distinct random parameters: which matrix, and in which VNNI interleave (a kernel may read its
+    int8 x int8 matrices in AMX's 4 rows of K and its bf16-row ones in 2), each constant holds.
+    Matrices of one shape are otherwise told apart by the graph's order only, and a kernel mixing
+    GEMM kinds does not keep it. A constant whose value the runner does not give (two constants
+    of one original name: it gives one) keeps the shape rule among the matrices left."""
+    blocked_constants = [c for c in plan if c["block"] is not None]
+    matrices = {c["source"] for c in blocked_constants}
+    placed: dict[str, dict] = {}
+    for c in blocked_constants:
+        # the runner names a value by the constant's original name: a constant renamed apart
+        # from another of that name (constant19_0 beside constant19) has none of its own
+        built = values.get(c["name"]) if fqns.get(c["name"], c["name"]) == c["name"] else None
+        for source in sorted(matrices):
+            found = next((vnni for vnni in VNNI_CANDIDATES if built is not None and params[source].shape[1] % vnni == 0
+                          and torch.equal(blocked(params[source], c["block"], vnni), built)), None)
+            if found is not None:
+                placed[c["name"]] = {**c, "source": source, "built_vnni": found}
+                matrices.discard(source)
+                break
+    out = []
+    for c in plan:
+        if c["block"] is not None and c["name"] not in placed:
+            same_shape = [m for m in sorted(matrices) if params[m].shape == params[c["source"]].shape]
+            source = c["source"] if c["source"] in matrices else same_shape[0]
+            matrices.discard(source)
+            c = {**c, "source": source}
+        out.append(placed.get(c["name"], c))
+    return out
+
+
+def with_row_major_codes(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``params`` plus each w8a8 matrix's codes as (out, in) ``X.weight``: the blocked layout's source."""
+    return params | {name.removesuffix("codes_t") + "weight": value.t().contiguous()
+                     for name, value in params.items() if name.endswith("codes_t")}
 
 
 def close_to_rounding(got: torch.Tensor, want: torch.Tensor, kind: str) -> bool:
@@ -203,6 +287,8 @@ def _random_params(module: torch.nn.Module, generator: torch.Generator) -> dict[
             new = torch.randint(-127, 128, value.shape, generator=generator, dtype=torch.int8)
         elif name.endswith("scales"):
             new = (torch.rand(value.shape, generator=generator) / 64 + 1 / 128).to(value.dtype)
+        elif name.endswith("smoothing"):
+            new = torch.rand(value.shape, generator=generator) + 0.5
         elif name.endswith("weight"):
             new = torch.randn(value.shape, generator=generator) / value.shape[-1] ** 0.5
         else:
@@ -223,19 +309,37 @@ def build_kernel(module: torch.nn.Module, example: Callable[..., tuple], matrice
     compiled into ``library`` with its constants' plan; ``example(rows, generator=None)`` gives
     inputs. The plan is proven on random weights against the eager module before it is installed."""
     with tempfile.TemporaryDirectory(dir=library.parent) as folder:
-        staged, source = compile_shared_object(module, example(2), Path(folder), library.name, dynamic_shapes=dynamic_shapes)
-        runner = load_runner(staged)
-        plan = assign_constants(module, matrices, _constants_of(source), dict(runner.get_constant_names_to_original_fqns()))
+        generator = torch.Generator().manual_seed(0)
+        values = None
+        if kind == "w8a8":
+            # The int8 x int8 GEMM's graph makes new constants from the weights (fp32 scales, a
+            # zero-point compensation, unit scalars): built with distinct random parameters
+            # packaged, each is told apart by its value. export's metadata asserts go first:
+            # they give the int8 product a second user, and inductor's pattern then skips it.
+            params = _random_params(module, generator)
+            staged, source = compile_shared_object(module, example(2), Path(folder), library.name, dynamic_shapes=dynamic_shapes,
+                                                   configs={"aot_inductor.package_constants_in_so": True},
+                                                   drop_metadata_asserts=True)
+            runner = load_runner(staged)
+            values = runner.extract_constants_map(False)
+        else:
+            staged, source = compile_shared_object(module, example(2), Path(folder), library.name, dynamic_shapes=dynamic_shapes)
+            runner = load_runner(staged)
+        plan = assign_constants(module, matrices, _constants_of(source), dict(runner.get_constant_names_to_original_fqns()),
+                                values)
         # The plan proven on random weights against the eager half, with the matrices' rows of K
         # interleaved as the GEMM reads them (``aoti_kernels.VNNI_CANDIDATES``: AMX's VNNI layout).
-        generator = torch.Generator().manual_seed(0)
-        params = _random_params(module, generator)
+        if kind != "w8a8":
+            params = _random_params(module, generator)
+        params = with_row_major_codes(params)
+        if values is not None:
+            plan = _match_blocked_by_value(plan, params, values, dict(runner.get_constant_names_to_original_fqns()))
         inputs = example(5, generator)
         with torch.inference_mode():
             want = module(*inputs)
         want = want if isinstance(want, tuple) else (want,)
         for vnni in VNNI_CANDIDATES:
-            plan = [{**c, "vnni": vnni} if c["block"] is not None else c for c in plan]
+            plan = [{**c, "vnni": c.get("built_vnni", vnni)} if c["block"] is not None else c for c in plan]
             if any(c["block"] is not None and params[c["source"]].shape[1] % vnni for c in plan):
                 continue
             swap_in(runner, _constants(plan, params))
@@ -278,25 +382,28 @@ class CompiledLayer(FusedLayer):
 def layer_spec(layer: FusedLayer, target) -> tuple[LayerSpec | None, str | None]:
     """The spec of ``layer`` in ``target`` (a ``FastTarget``), or why it cannot be compiled."""
     from .kernels import Linear
-    from .weight_formats import Int8Weight, QuantizedLinear
+    from .weight_formats import DynamicInt8Weight, Int8Weight, QuantizedLinear
 
     if target.dtype != torch.float32 or target.device.type != "cpu":
         return None, f"only fp32 targets on CPU are compiled, not {target.dtype} on {target.device.type}"
     matrices = {name: getattr(layer, name) for name in ("qkv", "o", "gate_up", "down")}
     if all(isinstance(m, QuantizedLinear) and isinstance(m.kernel, Int8Weight) for m in matrices.values()):
         kind = "int8"
+    elif all(isinstance(m, QuantizedLinear) and isinstance(m.kernel, DynamicInt8Weight if name in DYNAMIC_MATRICES else Int8Weight)
+             for name, m in matrices.items()):
+        kind = "w8a8"
     elif all(isinstance(m, Linear) and m.weight.dtype == torch.float32 for m in matrices.values()):
         kind = "float32"
     else:
-        return None, "only fp32 and int8 weight-only layers are compiled"
+        return None, "only fp32, int8 weight-only and w8a8 layers are compiled"
     spec = LayerSpec(kind=kind, hidden=target.hidden_size, heads=target.num_heads, kv_heads=target.num_kv_heads,
-                     head_dim=target.head_dim, intermediate=matrices["down"].in_features if kind == "int8"
+                     head_dim=target.head_dim, intermediate=matrices["down"].in_features if kind != "float32"
                      else matrices["down"].weight.shape[1], eps=target.eps,
                      biases=tuple(name for name, m in matrices.items() if m.bias is not None),
                      qk_norm=layer.qk_norm is not None)
     shapes = spec.shapes()
     for name, m in matrices.items():
-        shape = tuple(m.kernel.shape) if kind == "int8" else tuple(m.weight.shape)
+        shape = tuple(m.kernel.shape) if kind != "float32" else tuple(m.weight.shape)
         if shape != shapes[name]:
             return None, f"the layer's {name} is {shape}, not the {shapes[name]} its shapes imply"
     return spec, None
@@ -308,7 +415,12 @@ def _layer_params(layer: FusedLayer, kind: str) -> dict[str, torch.Tensor]:
         params["qk_norm"] = layer.qk_norm
     for name in ("qkv", "o", "gate_up", "down"):
         m = getattr(layer, name)
-        if kind == "int8":
+        if kind == "w8a8" and name in DYNAMIC_MATRICES:
+            params[f"{name}.codes_t"] = m.kernel.q_t
+            params[f"{name}.weight"] = m.kernel.q
+            params[f"{name}.scales"] = m.kernel.scales
+            params[f"{name}.smoothing"] = m.kernel.smoothing
+        elif kind in ("int8", "w8a8"):
             params[f"{name}.weight"] = m.kernel.q
             params[f"{name}.scales"] = m.kernel.scales.to(INT8_ROWS).contiguous()
         else:

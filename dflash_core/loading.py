@@ -235,7 +235,12 @@ def load_target(
     model.requires_grad_(False)
     if kernels == "aoti":
         _say(progress, "Target matrices: inductor's C++ GEMM (built once per machine and shape: minutes the first time)")
-    runner = make_runner(model, engine, weights, _q4_blocks(source, model, weights, progress), kernels)
+    calibration = None
+    if weights == "w8a8":  # the smoothing factors' activation maxima (weight_formats.smoothing_factors)
+        from .weight_formats import calibration_ids
+
+        calibration = calibration_ids(tokenizer)
+    runner = make_runner(model, engine, weights, _q4_blocks(source, model, weights, progress), kernels, calibration)
     if weights != "bf16":
         _say(progress, f"Target weights: {getattr(runner, 'weight_note', 'bf16 (this engine has no weight-only kernels)')}")
     if kernels != "onednn":
@@ -347,7 +352,7 @@ def load_drafter(
         from .aoti_drafter import compile_drafter_layers
         from .aoti_kernels import drafter_kernels
 
-        int8 = getattr(runner, "weight_format", "bf16") == "int8"
+        int8 = getattr(runner, "weight_format", "bf16") in ("int8", "w8a8")  # the drafter's matrices: weight-only int8
         matrices = drafter_kernels(drafter, int8)  # first: the compiled layers' probe compares with these
         _say(progress, f"Drafter kernels: {matrices}; {compile_drafter_layers(drafter, int8)}")
     return drafter

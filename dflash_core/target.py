@@ -217,7 +217,7 @@ class FastTarget:
     (``training/batched_decode.py``): the same weights and math over its own cache."""
 
     def __init__(self, model: torch.nn.Module, weights: str = "bf16", q4_blocks: dict | None = None,
-                 kernels: str = "onednn") -> None:
+                 kernels: str = "onednn", calibration_ids: torch.Tensor | None = None) -> None:
         reason = fast_path_reason(model)
         if reason:
             raise ValueError(f"FastTarget cannot run this model: {reason}")
@@ -252,16 +252,20 @@ class FastTarget:
         # The format the layers' weights are read in (``weights``; see weight_formats.py), and why
         # it is not the one asked for where the kernels do not allow it here.
         self.weight_format, self.weight_note = "bf16", "bf16"
+        self.compiled_layers = False  # whether the layers run aoti_layers' whole-half kernels
         bf16_layers = self.layers
         if weights != "bf16":
-            layers, note = quantized_layers(self.layers, weights, self.dtype, q4_blocks)
+            if weights == "w8a8" and calibration_ids is None:
+                raise ValueError("weights = 'w8a8' needs calibration_ids: token ids of a text whose activation maxima "
+                                 "set the smoothing factors (loading passes weight_formats' calibration text)")
+            maxima = self.activation_maxima(calibration_ids) if weights == "w8a8" else None
+            layers, note = quantized_layers(self.layers, weights, self.dtype, q4_blocks, maxima)
             if layers is None:
                 self.weight_note = f"asked for {weights}, running bf16: {note}"
             else:
                 self.layers, self.weight_format, self.weight_note = layers, weights, note
         # The kernels the full-precision matrices run on (``kernels``; see aoti_kernels.py).
         self.kernels, self.kernel_note = "onednn", "oneDNN"
-        self.compiled_layers = False  # whether the layers run aoti_layers' whole-half kernels
         self.attention = None  # aoti_attention's kernel, beside compiled layers; None: eager_attention
         onednn_layers, onednn_head = self.layers, self._lm_head
         if kernels == "aoti":
@@ -291,7 +295,7 @@ class FastTarget:
         (``weights = "int8"``) through its int8 GEMM; returns (kernels, note)."""
         from . import aoti_attention, aoti_kernels, aoti_layers
 
-        if self.weight_format not in ("bf16", "int8"):
+        if self.weight_format not in ("bf16", "int8", "w8a8"):
             return "onednn", f"asked for aoti, running oneDNN: the layers run {self.weight_format} kernels (no C++ GEMM for them)"
         if self.device.type != "cpu" or not aoti_kernels.available():
             return "onednn", "asked for aoti, running oneDNN: AOTInductor needs a CPU target and a C++ compiler"
@@ -299,7 +303,8 @@ class FastTarget:
         compiled, layers_note = aoti_layers.compiled_layers(self)
         head_why = self._aoti_head(aoti_kernels)
         head_note = "the LM head " + (f"on oneDNN ({head_why})" if head_why else
-                                      "int8 through the int8 GEMM" if self.weight_format == "int8" else "through the C++ GEMM")
+                                      "int8 through the int8 GEMM" if self.weight_format in ("int8", "w8a8")
+                                      else "through the C++ GEMM")
         if compiled is not None:
             self.layers, self.compiled_layers = compiled, True
             self.attention, attention_note = aoti_attention.compiled_attention(self)
@@ -333,7 +338,7 @@ class FastTarget:
     def _aoti_head(self, aoti_kernels) -> str | None:
         """The LM head through the C++ GEMM (the int8 one where the layers run int8: the head's
         113 MB in fp32 was then a step's largest read); why not, where it stays as it was."""
-        if self.weight_format == "int8":
+        if self.weight_format in ("int8", "w8a8"):
             head, why = aoti_kernels.aoti_int8_linear(QuantizedLinear(Int8Weight(self._lm_head_weight, self.dtype)))
         else:
             head, why = aoti_kernels.aoti_linear(self._lm_head)
@@ -425,6 +430,31 @@ class FastTarget:
         return x * cos + x.roll(self.head_dim // 2, dims=-1) * sin
 
     # One decoder layer in two halves around attention, which each caller lays out its own way.
+    @torch.inference_mode()
+    def activation_maxima(self, ids: torch.Tensor) -> list[dict[str, torch.Tensor]]:
+        """Per layer, the largest |value| of each input channel of the fused matrices over the
+        sequence ``ids`` (run from position 0 by the layers as they are): what ``w8a8``'s
+        smoothing factors are computed from."""
+        from dataclasses import replace
+
+        maxima: list[dict[str, torch.Tensor]] = [{} for _ in self.layers]
+
+        def recording(i: int, name: str, linear):
+            def call(x: torch.Tensor) -> torch.Tensor:
+                seen = x.detach().abs().reshape(-1, x.shape[-1]).amax(0).float()
+                maxima[i][name] = torch.maximum(maxima[i][name], seen) if name in maxima[i] else seen
+                return linear(x)
+            return call
+
+        layers = self.layers
+        self.layers = [replace(layer, **{name: recording(i, name, getattr(layer, name)) for name in ("qkv", "o", "gate_up", "down")})
+                       for i, layer in enumerate(layers)]
+        try:
+            self.stacked_features([ids.reshape(-1)], [len(layers) - 1])
+        finally:
+            self.layers = layers
+        return maxima
+
     def attention_inputs(self, layer: FusedLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queries (T, heads, D), already scaled by 1/sqrt(D), keys and values (T, kv_heads, D)."""
@@ -586,7 +616,8 @@ class FastTarget:
 
 
 def make_runner(model: torch.nn.Module, engine: str = "auto", weights: str = "bf16",
-                q4_blocks: dict | None = None, kernels: str = "onednn") -> TargetRunner:
+                q4_blocks: dict | None = None, kernels: str = "onednn",
+                calibration_ids: torch.Tensor | None = None) -> TargetRunner:
     """``FastTarget`` when the model allows it (``engine='auto'|'fast'``), else ``HFTarget``.
     ``weights`` (``weight_formats.WEIGHT_FORMATS``) and ``kernels`` (``aoti_kernels.KERNELS``)
     apply to ``FastTarget`` only: the runner's ``weight_format`` / ``weight_note`` and
@@ -597,7 +628,7 @@ def make_runner(model: torch.nn.Module, engine: str = "auto", weights: str = "bf
         return HFTarget(model)
     reason = fast_path_reason(model)
     if reason is None:
-        return FastTarget(model, weights, q4_blocks, kernels)
+        return FastTarget(model, weights, q4_blocks, kernels, calibration_ids)
     if engine == "fast":
         raise ValueError(f"engine='fast' cannot run this target: {reason}; use engine='hf' or 'auto'")
     return HFTarget(model)

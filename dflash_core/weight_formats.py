@@ -14,6 +14,17 @@ llama.cpp pulls. PyTorch ships weight-only kernels for both:
   a few rows and slow for many (~1.3 ms more per row for SmolLM2's layers): see docs/BENCHMARKS.md.
 * ``int8``: ``aten._weight_int8pack_mm``, one scale per output channel: a requantization of the
   (dequantized) weight, not the file's numbers.
+* ``w8a8``: the rows quantized too, to int8 with one scale per row (symmetric, dynamic), and
+  multiplied int8 by int8 (``torch._int_mm``, 32-bit integer sums: exact, so a row's result
+  cannot depend on its company), as llama.cpp quantizes the activations of a Q4 / Q8 matrix
+  product. Compiled (``kernels = "aoti"``) this runs inductor's int8 GEMM (AMX's int8 tiles
+  where the CPU has them): SmolLM2's MLP ~3x faster than the bf16-rows int8 kernel at 1-16 rows.
+  Rows quantized per row lose more than llama.cpp's blocks of 32 where a few input channels
+  carry most of the magnitude, so each matrix's input is first divided by SmoothQuant factors
+  (``smoothing_factors``: per input channel, from activation maxima on a calibration text, the
+  inverse folded into the weight), and the MLP's down projection, whose inputs spread widest,
+  stays weight-only int8. Measured on SmolLM2 against the fp32 model (docs/BENCHMARKS.md): close
+  to llama.cpp's own activation rounding, a little further than ``int8``.
 
 Losslessness rests on batch invariance (see ``target.py``): a format is only used after
 ``row_invariant`` shows that, on this machine, a row's result does not depend on how many rows
@@ -30,7 +41,7 @@ import torch
 
 from .kernels import probe_rows, rows_match
 
-WEIGHT_FORMATS = ("bf16", "int8", "int4")
+WEIGHT_FORMATS = ("bf16", "int8", "int4", "w8a8")
 GROUP = 32  # Q4_1's block, and the int4 kernel's group size we use
 
 
@@ -43,6 +54,8 @@ def kernel_available(fmt: str) -> bool:
         return _has("_weight_int4pack_mm_for_cpu") and _has("_convert_weight_to_int4pack_for_cpu")
     if fmt == "int8":
         return _has("_weight_int8pack_mm")
+    if fmt == "w8a8":
+        return _has("_weight_int8pack_mm") and _has("_int_mm")
     return fmt == "bf16"
 
 
@@ -155,6 +168,74 @@ class Int8Weight:
         return torch.ops.aten._weight_int8pack_mm(x, self.q, self.scales)
 
 
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row of ``x`` (fp32) as symmetric int8 codes and its scale (max |x| / 127)."""
+    scale = x.abs().amax(-1, keepdim=True).clamp(min=1e-8) / 127.0
+    return torch.round(x / scale).clamp(-127, 127).to(torch.int8), scale
+
+
+class DynamicInt8Weight:
+    """``x @ w.T`` with both sides int8 (``w8a8``): the weight times ``smoothing`` (one factor
+    per input channel) in symmetric int8 with one scale per output channel, and each row of
+    ``x / smoothing`` quantized on the fly (``quantize_rows``); ``torch._int_mm``'s int32 sums
+    rescaled in fp32. The compiled layers (``aoti_layers``) run the same math op for op."""
+
+    fmt = "w8a8"
+
+    def __init__(self, weight: torch.Tensor, smoothing: torch.Tensor | None = None) -> None:
+        self.smoothing = (torch.ones(weight.shape[1]) if smoothing is None else smoothing).float().contiguous()
+        w = weight.float() * self.smoothing
+        scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127
+        self.shape = tuple(weight.shape)
+        self.q = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous()
+        self.q_t = self.q.t().contiguous()  # (K, N): _int_mm's right-hand layout
+        self.scales = scale.contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        codes, row_scales = quantize_rows(x.float() / self.smoothing)
+        return (torch._int_mm(codes, self.q_t).float() * row_scales * self.scales).to(x.dtype)
+
+
+def smoothing_factors(activation_max: torch.Tensor, weight: torch.Tensor, alpha: float = 0.5) -> torch.Tensor:
+    """SmoothQuant's per-input-channel factors ``s = max|x|^a / max|w|^(1-a)``: the input divided
+    by ``s`` and the weight multiplied by it leave the product unchanged and move the spread of
+    the input's channels into the weight, which has a scale per output channel to absorb it.
+    alpha 0.5 measured best on SmolLM2 (0.3-0.75 tried: docs/BENCHMARKS.md)."""
+    w_max = weight.float().abs().amax(0).clamp(min=1e-5)
+    return (activation_max.float().clamp(min=1e-5) ** alpha / w_max ** (1 - alpha)).contiguous()
+
+
+CALIBRATION_TEXT = Path(__file__).parent / "data" / "calibration.txt"
+
+
+def calibration_text() -> str:
+    """The text whose activation maxima set ``w8a8``'s smoothing factors: a short chat of
+    questions, answers and code in several languages, written for this purpose (no evaluation
+    or training set: HumanEval and the held-out prompts stay unseen)."""
+    return CALIBRATION_TEXT.read_text(encoding="utf-8")
+
+
+def calibration_ids(tokenizer) -> torch.Tensor:
+    """``calibration_text`` as the model sees a chat: its "User:" / "Assistant:" turns through the
+    tokenizer's chat template where it has one (the template's special tokens drive some of the
+    largest activations), else the text as it is."""
+    import re
+
+    text = calibration_text()
+    turns = re.split(r"^(User|Assistant):[ \n]", text, flags=re.MULTILINE)[1:]
+    messages = [{"role": "user" if who == "User" else "assistant", "content": said.strip()}
+                for who, said in zip(turns[::2], turns[1::2])]
+    if getattr(tokenizer, "chat_template", None) and messages:
+        ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
+        return torch.tensor(ids["input_ids"] if isinstance(ids, dict) else ids, dtype=torch.long).reshape(-1)
+    return torch.tensor(tokenizer(text).input_ids, dtype=torch.long)
+
+
+# The fused matrices whose rows go int8 under ``w8a8``; ``down`` stays weight-only int8 (its
+# inputs, SiLU(gate) * up, spread widest: all four int8 doubled the KL to the fp32 model).
+DYNAMIC_MATRICES = ("qkv", "o", "gate_up")
+
+
 def quantize_q4(weight: torch.Tensor) -> Q4Blocks:
     """Q4_1-style asymmetric quantization (groups of 32 along the input dimension)."""
     n, k = weight.shape
@@ -198,14 +279,16 @@ FUSED = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o
          "gate_up": ("mlp.gate_proj", "mlp.up_proj"), "down": ("mlp.down_proj",)}
 
 
-def quantized_layers(layers: list, fmt: str, dtype: torch.dtype, q4_blocks: dict[str, Q4Blocks] | None = None
-                     ) -> tuple[list | None, str]:
+def quantized_layers(layers: list, fmt: str, dtype: torch.dtype, q4_blocks: dict[str, Q4Blocks] | None = None,
+                     activation_max: list[dict[str, torch.Tensor]] | None = None) -> tuple[list | None, str]:
     """``layers`` (``families.FusedLayer``) with their four projections run by ``fmt``'s kernel,
     and a note on where the weights came from; ``(None, why not)`` when the kernel is missing,
     does not fit a shape, or gives a row numbers that depend on how many rows share its call.
 
     int4 takes a GGUF's own Q4_1 codes (``q4_blocks``, from ``q4_1_blocks``) where every fused
-    matrix has them, and otherwise quantizes the loaded weights (groups of 32, min/max)."""
+    matrix has them, and otherwise quantizes the loaded weights (groups of 32, min/max). w8a8
+    needs each layer's input maxima of ``DYNAMIC_MATRICES`` (``activation_max``, from
+    ``FastTarget.activation_maxima``) for its smoothing factors."""
     import dataclasses
 
     if fmt not in WEIGHT_FORMATS:
@@ -234,8 +317,12 @@ def quantized_layers(layers: list, fmt: str, dtype: torch.dtype, q4_blocks: dict
             problem = supported_shape(fmt, tuple(linear.weight.shape))
             if problem:
                 return None, problem
-            if fmt == "int8":
+            if fmt == "int8" or (fmt == "w8a8" and field not in DYNAMIC_MATRICES):
                 kernel = Int8Weight(linear.weight, dtype)
+            elif fmt == "w8a8":
+                if activation_max is None:
+                    raise ValueError("w8a8 needs the layers' activation maxima (a calibration pass) for its smoothing factors")
+                kernel = DynamicInt8Weight(linear.weight, smoothing_factors(activation_max[i][field], linear.weight))
             elif from_file:
                 blocks = Q4Blocks.cat([q4_blocks[f"model.layers.{i}.{name}"] for name in names])
                 if tuple(blocks.q.shape) != tuple(linear.weight.shape):
@@ -245,15 +332,18 @@ def quantized_layers(layers: list, fmt: str, dtype: torch.dtype, q4_blocks: dict
                 kernel = Int4Weight(quantize_q4(linear.weight.float()), dtype)
             # Kernels pick their code path by shape and row count, not by values: one probe per shape.
             shape = tuple(linear.weight.shape)
-            if shape not in checked:
-                checked[shape] = row_invariant(kernel, shape[1], dtype)
-            if not checked[shape]:
-                return None, (f"the {fmt} kernel gives a row different numbers depending on how many rows share "
+            if (shape, kernel.fmt) not in checked:
+                checked[shape, kernel.fmt] = row_invariant(kernel, shape[1], dtype)
+            if not checked[shape, kernel.fmt]:
+                return None, (f"the {kernel.fmt} kernel gives a row different numbers depending on how many rows share "
                               f"the call on this CPU ({shape[0]}x{shape[1]})")
             replaced[field] = QuantizedLinear(kernel, linear.bias)
         out.append(dataclasses.replace(layer, **replaced))
     if fmt == "int8":
         note = "int8, one scale per output channel (requantized from the loaded weights)"
+    elif fmt == "w8a8":
+        note = ("w8a8: qkv, o and gate_up int8 x int8 (rows quantized per row after SmoothQuant factors from a "
+                "calibration text), down int8 weight-only; weights requantized from the loaded ones")
     elif from_file:
         note = "int4 from the GGUF's own Q4_1 blocks (scales and zeros in bf16)"
     else:

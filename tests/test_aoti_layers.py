@@ -42,6 +42,39 @@ def test_constants_are_matched_to_parameters_and_blocked_matrices_by_shape():
         aoti_layers._assign(SPEC, "after", {k: v for k, v in declared.items() if k != "constant4"}, {})
 
 
+def test_constants_the_graph_made_from_the_parameters_are_told_apart_by_value():
+    # w8a8's kernels are built with distinct random parameters packaged: each constant inductor
+    # derived from them (the int8 GEMM's fp32 scales, its zero-point compensation, unit scalars)
+    # is named by what it equals, and rebuilt from each layer's own parameters.
+    params = {"o.scales": torch.tensor([0.5, 0.25]), "o.smoothing": torch.tensor([2.0, 3.0])}
+    assert aoti_layers._derived("c", torch.tensor([0.5, 0.25], dtype=torch.float64), params) == {
+        "name": "c", "source": "o.scales", "block": None, "dtype": "float64"}
+    assert aoti_layers._derived("z", torch.zeros(3), params) == {"name": "z", "zeros": [3], "block": None, "dtype": "float32"}
+    assert aoti_layers._derived("s", torch.tensor(1.0), params) == {"name": "s", "value": 1.0, "block": None, "dtype": "float32"}
+    assert aoti_layers._derived("u", torch.tensor([7.0, 8.0]), params) is None
+    plan = [{"name": "c", "source": "o.scales", "block": None, "dtype": "float64"}, {"name": "z", "zeros": [3], "block": None,
+            "dtype": "float32"}, {"name": "s", "value": 1.0, "block": None, "dtype": "float32"}]
+    built = aoti_layers._constants(plan, params)
+    assert built["c"].dtype == torch.float64 and torch.equal(built["c"].float(), params["o.scales"])
+    assert torch.equal(built["z"], torch.zeros(3)) and built["s"].item() == 1.0
+    # Blocked matrices are placed by their built values: which matrix (two of one shape included)
+    # and which VNNI interleave (int8 x int8 and bf16-row matrices of one kernel differ); one the
+    # runner gives no value for (renamed apart from another of its name) keeps the shape rule.
+    codes = {name: torch.randint(-127, 128, (32, 8), dtype=torch.int8) for name in ("o.weight", "down.weight")}
+    plan = [{"name": "constant1", "source": "o.weight", "block": 16}, {"name": "constant1_0", "source": "down.weight", "block": 16},
+            {"name": "constant2", "source": "down.weight", "block": 16}]
+    values = {"constant1": aoti_kernels.blocked(codes["down.weight"], 16, 4), "constant2": aoti_kernels.blocked(codes["o.weight"], 16, 2)}
+    fqns = {"constant1": "constant1", "constant1_0": "constant1", "constant2": "constant2"}
+    placed = aoti_layers._match_blocked_by_value(plan[:1] + plan[2:], codes, values, fqns)
+    assert placed == [{"name": "constant1", "source": "down.weight", "block": 16, "built_vnni": 4},
+                      {"name": "constant2", "source": "o.weight", "block": 16, "built_vnni": 2}]
+    del values["constant1"]
+    plan = [{"name": "constant1_0", "source": "o.weight", "block": 16}, {"name": "constant2", "source": "down.weight", "block": 16}]
+    placed = aoti_layers._match_blocked_by_value(plan, codes, values, fqns)
+    assert placed == [{"name": "constant1_0", "source": "down.weight", "block": 16},
+                      {"name": "constant2", "source": "o.weight", "block": 16, "built_vnni": 2}]
+
+
 def test_a_bf16_target_is_not_compiled():
     runner = FastTarget(tiny_target("llama", dtype=torch.bfloat16))
     spec, why = aoti_layers.layer_spec(runner.layers[0], runner)
@@ -67,11 +100,12 @@ def test_a_failed_layer_build_falls_back_to_the_matrices_and_says_why(monkeypatc
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("weights", ["bf16", "int8"])
+@pytest.mark.parametrize("weights", ["bf16", "int8", "w8a8"])
 def test_compiled_layers_are_the_eager_ones_and_lossless(weights, kernel_cache):
     model = two_shape_llama()
-    runner = FastTarget(model, weights=weights, kernels="aoti")
-    kind = "float32" if weights == "bf16" else "int8"
+    calibration = torch.tensor([t for prompt in PROMPTS for t in prompt])  # w8a8's smoothing factors
+    runner = FastTarget(model, weights=weights, kernels="aoti", calibration_ids=calibration)
+    kind = "float32" if weights == "bf16" else weights
     if runner.kernels != "aoti":  # a CPU where the kernels' rows depend on their company: and why
         assert runner.kernel_note.startswith("asked for aoti, running oneDNN")
         return
@@ -87,7 +121,7 @@ def test_compiled_layers_are_the_eager_ones_and_lossless(weights, kernel_cache):
         assert len([name for name in built if name.startswith(f"layer-{half}-{kind}-")]) == 1, built
     assert runner.batch_invariant
     # The eager layers of the same weights: the same logits to rounding (fp32's, or bf16 rows' for int8).
-    eager = FastTarget(model, weights=weights)
+    eager = FastTarget(model, weights=weights, calibration_ids=calibration)
     if eager.weight_format == runner.weight_format:
         assert_same_logits(runner, eager, PROMPTS[0], 1e-4 if kind == "float32" else 2e-2)
         # A prompt of 170 positions: one pass whose rows span three attention spans (three calls).
@@ -111,7 +145,7 @@ def test_compiled_layers_are_the_eager_ones_and_lossless(weights, kernel_cache):
     assert_each_row_attends_over_its_own_span(runner, model)
     # A second target loads the built kernels: nothing is rebuilt.
     stamps = {p: p.stat().st_mtime_ns for p in kernel_cache.rglob("layer-*.so")}
-    again = FastTarget(model, weights=weights, kernels="aoti")
+    again = FastTarget(model, weights=weights, kernels="aoti", calibration_ids=calibration)
     assert again.kernels == "aoti" and {p: p.stat().st_mtime_ns for p in kernel_cache.rglob("layer-*.so")} == stamps
 
 

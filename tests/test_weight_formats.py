@@ -15,10 +15,13 @@ from dflash_core.registry import parse_registry
 from dflash_core.speculative import GenerationConfig, collect, stream
 from dflash_core.target import FastTarget, make_runner
 from dflash_core.testing import PROMPTS, OracleDrafter, tiny_drafter, tiny_target
-from dflash_core.weight_formats import (Int4Weight, Int8Weight, kernel_available, quantize_q4, quantized_layers,
-                                        row_invariant)
+from dflash_core.weight_formats import (DynamicInt8Weight, Int4Weight, Int8Weight, kernel_available, quantize_q4,
+                                        quantize_rows, quantized_layers, row_invariant, smoothing_factors)
 
 PAIR = {"target": {"hub": "x/y"}, "drafter": {"random": True}}
+
+
+CALIBRATION = torch.tensor([t for prompt in PROMPTS for t in prompt])  # w8a8's activation maxima
 
 
 def expected_format(model: torch.nn.Module, fmt: str) -> bool:
@@ -26,7 +29,8 @@ def expected_format(model: torch.nn.Module, fmt: str) -> bool:
     if not kernel_available(fmt):
         return False
     runner = FastTarget(model)
-    layers, _ = quantized_layers(runner.layers, fmt, runner.dtype)
+    maxima = runner.activation_maxima(CALIBRATION) if fmt == "w8a8" else None
+    layers, _ = quantized_layers(runner.layers, fmt, runner.dtype, None, maxima)
     return layers is not None
 
 
@@ -46,7 +50,7 @@ def test_runner_refuses_an_unknown_format():
         make_runner(model, weights="fp8")
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("fmt", ["int8", "int4", "w8a8"])
 def test_kernels_are_close_to_the_weight_they_stand_for(fmt):
     if not kernel_available(fmt):
         pytest.skip(f"this PyTorch has no {fmt} kernel")
@@ -55,21 +59,23 @@ def test_kernels_are_close_to_the_weight_they_stand_for(fmt):
     if fmt == "int4":
         blocks = quantize_q4(weight)
         kernel, exact = Int4Weight(blocks), blocks.dequantize()
+    elif fmt == "w8a8":  # the rows rounded too: further from the weight, still close
+        kernel, exact = DynamicInt8Weight(weight, torch.rand(128) + 0.5), weight
     else:
         kernel = Int8Weight(weight)
         exact = kernel.q.float() * kernel.scales.float()[:, None]
     x = torch.randn(5, 128).bfloat16()
     truth = x.float() @ exact.T
     got = kernel(x).float()
-    assert got.shape == (5, 96)
-    assert (got - truth).norm() / truth.norm() < 1e-2
+    assert got.shape == (5, 96) and got.dtype == torch.float32
+    assert (got - truth).norm() / truth.norm() < (2e-2 if fmt == "w8a8" else 1e-2)
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("fmt", ["int8", "int4", "w8a8"])
 def test_probe_decides_the_format_and_greedy_dflash_equals_ar(fmt):
     model = tiny_target("llama", dtype=torch.bfloat16)
     usable = expected_format(model, fmt)
-    runner = FastTarget(model, fmt)
+    runner = FastTarget(model, fmt, calibration_ids=CALIBRATION)
     if not usable:  # a CPU whose kernel is missing or rounds a row by its company: bf16, and says why
         assert runner.weight_format == "bf16" and runner.weight_note.startswith(f"asked for {fmt}, running bf16")
         return
@@ -93,6 +99,36 @@ def test_probe_decides_the_format_and_greedy_dflash_equals_ar(fmt):
             assert collect(stream(runner, drafter, prompt, cfg)).token_ids == ar.token_ids, (fmt, block)
             oracle = OracleDrafter(drafter, list(prompt) + ar.token_ids)
             assert collect(stream(runner, oracle, prompt, cfg)).token_ids == ar.token_ids, (fmt, block, "oracle")
+
+
+def test_w8a8_rows_are_independent_and_smoothing_moves_an_outlier_channel_into_the_weight():
+    torch.manual_seed(0)
+    weight, x = torch.randn(96, 128), torch.randn(6, 128)
+    x[:, 3] *= 60  # one channel carrying most of each row's magnitude, as LLMs' norms make
+    plain = DynamicInt8Weight(weight)
+    smoothed = DynamicInt8Weight(weight, smoothing_factors(x.abs().amax(0), weight))
+    truth = x @ weight.T
+    error = {name: ((k(x) - truth).norm() / truth.norm()).item() for name, k in (("plain", plain), ("smoothed", smoothed))}
+    assert error["smoothed"] < error["plain"] / 2, error
+    # Integer sums and per-row scales: a row's numbers never depend on its company.
+    assert torch.equal(torch.cat([smoothed(x[i : i + 1]) for i in range(6)]), smoothed(x))
+    assert row_invariant(smoothed, 128, torch.float32)
+    codes, scales = quantize_rows(x)
+    assert codes.dtype == torch.int8 and codes.abs().amax(-1).eq(127).all()
+    assert torch.allclose(codes.float() * scales, x, atol=scales.max().item())
+
+
+def test_w8a8_needs_a_calibration_text_and_loading_gives_it_one():
+    with pytest.raises(ValueError, match="w8a8' needs calibration_ids"):
+        FastTarget(tiny_target("llama"), "w8a8")
+    text = weight_formats.calibration_text()
+    assert len(text.split()) > 300 and "```" in text  # prose and code
+    import re
+
+    from dflash_core.evaluation import humaneval_prompts
+
+    names = {match for prompt in humaneval_prompts() for match in re.findall(r"def (\w+)\(", prompt)}
+    assert len(names) > 150 and not [name for name in names if f"{name}(" in text]  # never a HumanEval prompt's code
 
 
 def test_a_kernel_that_is_not_row_invariant_falls_back_to_bf16(monkeypatch):

@@ -1,0 +1,117 @@
+"""How far each weight format takes the target from its fp32 self: the figures docs/BENCHMARKS.md
+cites for ``weights = "int8"`` and ``"w8a8"``.
+
+    python scripts/weight_quality.py [--pair smollm2-135m] [--formats bf16,int8,w8a8] [--sequences 24] [--llama-like]
+
+Teacher-forced over prompt + answer sequences from the newest committed answer shard (the
+target's own answers to training prompts: never HumanEval, nor the held-out set), each format
+runs the engine's own eager kernels (``FastTarget`` with ``weights = FORMAT``, the pair's target
+loaded in fp32) and is compared, position by position, with the fp32 target: how often the
+greedy choice agrees, and the mean KL divergence of the next-token distributions
+(KL(fp32 || format)). ``--llama-like`` adds a simulation of llama.cpp's own activation rounding
+(int8 weights per channel, rows rounded to int8 in blocks of 32, as its Q8 matrix products do)
+for scale: not an engine format, plain PyTorch math on the same weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from dflash_core.loading import load_target
+from dflash_core.registry import load_registry
+from dflash_core.target import FastTarget
+from dflash_core.weight_formats import calibration_ids
+
+SHARDS = Path(__file__).resolve().parents[1] / "assets" / "data" / "smollm2-answers"
+
+
+def sequences(count: int, length: int) -> list[torch.Tensor]:
+    shard = np.load(sorted(SHARDS.glob("shard-*.npz"))[-1])
+    prompts = np.cumsum([0, *shard["prompt_lengths"]])
+    answers = np.cumsum([0, *shard["answer_lengths"]])
+    out = []
+    for i in range(min(count, len(shard["prompt_lengths"]))):
+        ids = np.concatenate([shard["prompt_ids"][prompts[i]:prompts[i + 1]], shard["answer_ids"][answers[i]:answers[i + 1]]])
+        out.append(torch.tensor(ids[:length], dtype=torch.long))
+    return out
+
+
+@torch.inference_mode()
+def logits_of(runner: FastTarget, seqs: list[torch.Tensor]) -> list[torch.Tensor]:
+    out = []
+    for ids in seqs:
+        runner.reset(len(ids) + 16)
+        out.append(runner.forward(ids, None).logits.float()[:-1])
+    return out
+
+
+def compare(reference: list[torch.Tensor], got: list[torch.Tensor]) -> dict[str, float]:
+    positions = sum(len(r) for r in reference)
+    agree = sum((r.argmax(-1) == g.argmax(-1)).sum().item() for r, g in zip(reference, got))
+    kl = sum(F.kl_div(g.log_softmax(-1), r.log_softmax(-1), log_target=True, reduction="sum").item()
+             for r, g in zip(reference, got))
+    return {"top1_agreement": round(agree / positions, 4), "kl": round(kl / positions, 5), "positions": positions}
+
+
+@torch.inference_mode()
+def llama_like(model: torch.nn.Module, seqs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The transformers model with int8 weights per channel and rows rounded in blocks of 32."""
+    def rows_in_blocks(x: torch.Tensor) -> torch.Tensor:
+        v = x.unflatten(-1, (-1, 32))
+        s = v.abs().amax(-1, keepdim=True).clamp(min=1e-8) / 127
+        return ((v / s).round().clamp(-127, 127) * s).flatten(-2)
+
+    linears = [m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in name]
+    saved = [(m, m.weight.data, m.forward) for m in linears]
+    try:
+        for m in linears:
+            w = m.weight.data.float()
+            s = w.abs().amax(1, keepdim=True).clamp(min=1e-12) / 127
+            m.weight.data = (w / s).round().clamp(-127, 127) * s
+            m.forward = (lambda m: lambda x: F.linear(rows_in_blocks(x), m.weight, m.bias))(m)
+        return [model(ids[None]).logits[0, :-1].float() for ids in seqs]
+    finally:
+        for m, weight, forward in saved:
+            m.weight.data, m.forward = weight, forward
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pair", default="smollm2-135m")
+    parser.add_argument("--formats", default="bf16,int8,w8a8")
+    parser.add_argument("--sequences", type=int, default=24)
+    parser.add_argument("--length", type=int, default=384)
+    parser.add_argument("--llama-like", action="store_true")
+    parser.add_argument("--out", default="runs/weight_quality")
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    pair = load_registry().get(args.pair)
+    loaded = load_target(pair.target, dtype="float32")  # the fp32 reference, eager
+    seqs = sequences(args.sequences, args.length)
+    reference = logits_of(loaded.runner, seqs)
+    calibration = calibration_ids(loaded.tokenizer)
+    results = {}
+    for fmt in [f for f in args.formats.split(",") if f]:
+        # "bf16": the default pair's target (the weights in bf16), from a copy: the fp32 ones stay
+        model = loaded.model if fmt != "bf16" else copy.deepcopy(loaded.model).to(torch.bfloat16)
+        runner = FastTarget(model, fmt, calibration_ids=calibration)
+        results[fmt] = {**compare(reference, logits_of(runner, seqs)), "runs": runner.weight_note}
+        print(fmt, results[fmt], flush=True)
+    if args.llama_like:
+        results["llama.cpp-like (int8 rows in blocks of 32, simulated)"] = compare(reference, llama_like(loaded.model, seqs))
+        print("llama-like", results["llama.cpp-like (int8 rows in blocks of 32, simulated)"], flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "quality.json").write_text(json.dumps({"pair": args.pair, "sequences": len(seqs), "length": args.length,
+                                                  "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
