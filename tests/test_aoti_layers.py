@@ -109,6 +109,12 @@ def test_compiled_layers_are_the_eager_ones_and_lossless(weights, kernel_cache):
     if runner.kernels != "aoti":  # a CPU where the kernels' rows depend on their company: and why
         assert runner.kernel_note.startswith("asked for aoti, running oneDNN")
         return
+    if weights == "w8a8" and "layers not compiled whole" in runner.kernel_note:
+        # inductor's int8 x int8 GEMM without AMX or VNNI (AVX2 only, as tests/test_as_avx2.py runs
+        # this) gives other numbers than the eager int8 product: the probe refuses it, and says so
+        assert "building the layer kernels failed: RuntimeError: the compiled layer's results are not the eager layer's" \
+            in runner.kernel_note
+        return
     head = "through the C++ GEMM" if kind == "float32" else "int8 through the int8 GEMM"
     assert runner.kernel_note == (f"3 of 3 decoder layers compiled whole around attention ({kind} matrices); "
                                   f"attention compiled; the LM head {head}")
