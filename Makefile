@@ -105,7 +105,7 @@ bench: setup peers
 	  --methods dflash,dflash_adaptive,dflash_tree,dflash_tree_adaptive,dflash_lookup_adaptive,dflash_tree_lookup_adaptive,ar,hf_generate,prompt_lookup,hf_dflash,llama_cpp \
 	  --out runs/bench/humaneval-b16
 
-# Every run behind docs/BENCHMARKS.md (about 75 minutes on 2 cores), then the page itself.
+# Every run behind docs/BENCHMARKS.md (about 85 minutes on 2 cores), then the page itself.
 BENCH := $(PY) -m dflash_core bench --max-new-tokens 256
 benchmarks: bench
 	$(BENCH) --prompts heldout --limit 20 --block-size 16 --methods dflash,dflash_adaptive,dflash_tree,dflash_tree_adaptive,dflash_lookup_adaptive,dflash_tree_lookup_adaptive,ar \
@@ -115,8 +115,10 @@ benchmarks: bench
 	$(BENCH) --prompts humaneval --limit 10 --block-size 16 --temperature 1.0 --rules match,pq --methods dflash,ar --out runs/bench/humaneval-t1.0
 	$(BENCH) --pair smollm2-135m-int8 --prompts humaneval --limit 20 --block-size 16 \
 	  --methods ar,dflash,dflash_tree_lookup_adaptive,llama_cpp --out runs/bench/int8-humaneval-b16
+	$(BENCH) --pair smollm2-135m-w8a8 --prompts humaneval --limit 20 --block-size 16 \
+	  --methods ar,dflash,dflash_tree_lookup_adaptive,llama_cpp --out runs/bench/w8a8-humaneval-b16
 	$(PY) -m dflash_core bench-report runs/bench/humaneval-b16 runs/bench/heldout-b16 runs/bench/humaneval-b8 \
-	  runs/bench/humaneval-t0.7 runs/bench/humaneval-t1.0 runs/bench/int8-humaneval-b16 \
+	  runs/bench/humaneval-t0.7 runs/bench/humaneval-t1.0 runs/bench/int8-humaneval-b16 runs/bench/w8a8-humaneval-b16 \
 	  --drafter assets/drafters/smollm2-135m-dflash --notes docs/benchmark-notes.md --out docs/BENCHMARKS.md
 
 # The committed training data (docs/TRAINING.md, "Growing the data"): `make gen-data` adds shards of
