@@ -196,11 +196,13 @@ class DynamicInt8Weight:
         return (torch._int_mm(codes, self.q_t).float() * row_scales * self.scales).to(x.dtype)
 
 
-def smoothing_factors(activation_max: torch.Tensor, weight: torch.Tensor, alpha: float = 0.5) -> torch.Tensor:
+def smoothing_factors(activation_max: torch.Tensor, weight: torch.Tensor, alpha: float = 0.7) -> torch.Tensor:
     """SmoothQuant's per-input-channel factors ``s = max|x|^a / max|w|^(1-a)``: the input divided
     by ``s`` and the weight multiplied by it leave the product unchanged and move the spread of
     the input's channels into the weight, which has a scale per output channel to absorb it.
-    alpha 0.5 measured best on SmolLM2 (0.3-0.75 tried: docs/BENCHMARKS.md)."""
+    ``weight`` is a fused matrix (q, k and v; gate and up), whose parts share one set of factors:
+    alpha 0.7 measured best on SmolLM2 that way (0.3-0.9 tried; 0.5, best for unfused matrices,
+    rounded twice as far: docs/BENCHMARKS.md)."""
     w_max = weight.float().abs().amax(0).clamp(min=1e-5)
     return (activation_max.float().clamp(min=1e-5) ** alpha / w_max ** (1 - alpha)).contiguous()
 
