@@ -33,7 +33,7 @@ from .aoti_kernels import (INT8_ROWS, VNNI_CANDIDATES, blocked, cached, compile_
                            load_runner, spec_digest, swap_in)
 from .families import FusedLayer
 from .kernels import probe_rows
-from .weight_formats import DYNAMIC_MATRICES, quantize_rows
+from .weight_formats import DYNAMIC_MATRICES, int8_rows_product
 
 MATRICES = {"before": ("qkv",), "after": ("o", "gate_up", "down")}
 
@@ -90,9 +90,8 @@ class Matrix(torch.nn.Module):
         self.bias = torch.nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kind == "w8a8":  # DynamicInt8Weight's math, op for op
-            codes, row_scales = quantize_rows(x.float() / self.smoothing)
-            y = (torch._int_mm(codes, self.codes_t).float() * row_scales * self.scales).to(x.dtype)
+        if self.kind == "w8a8":
+            y = int8_rows_product(x, self.codes_t, self.scales, self.smoothing)
             return y if self.bias is None else y + self.bias
         if self.kind == "int8":
             y = torch.ops.aten._weight_int8pack_mm(x.to(INT8_ROWS), self.weight, self.scales).to(x.dtype)
@@ -309,31 +308,26 @@ def build_kernel(module: torch.nn.Module, example: Callable[..., tuple], matrice
     compiled into ``library`` with its constants' plan; ``example(rows, generator=None)`` gives
     inputs. The plan is proven on random weights against the eager module before it is installed."""
     with tempfile.TemporaryDirectory(dir=library.parent) as folder:
+        # Built with distinct random parameters, so that a kernel packaging them (w8a8's: its
+        # int8 x int8 GEMM makes new constants from the weights, fp32 scales, a zero-point
+        # compensation, unit scalars) has each constant told apart by its value. export's
+        # metadata asserts go first there: they give the int8 product a second user, and
+        # inductor's pattern then skips it.
         generator = torch.Generator().manual_seed(0)
-        values = None
-        if kind == "w8a8":
-            # The int8 x int8 GEMM's graph makes new constants from the weights (fp32 scales, a
-            # zero-point compensation, unit scalars): built with distinct random parameters
-            # packaged, each is told apart by its value. export's metadata asserts go first:
-            # they give the int8 product a second user, and inductor's pattern then skips it.
-            params = _random_params(module, generator)
-            staged, source = compile_shared_object(module, example(2), Path(folder), library.name, dynamic_shapes=dynamic_shapes,
-                                                   configs={"aot_inductor.package_constants_in_so": True},
-                                                   drop_metadata_asserts=True)
-            runner = load_runner(staged)
-            values = runner.extract_constants_map(False)
-        else:
-            staged, source = compile_shared_object(module, example(2), Path(folder), library.name, dynamic_shapes=dynamic_shapes)
-            runner = load_runner(staged)
-        plan = assign_constants(module, matrices, _constants_of(source), dict(runner.get_constant_names_to_original_fqns()),
-                                values)
+        params = _random_params(module, generator)
+        by_value = kind == "w8a8"
+        staged, source = compile_shared_object(module, example(2), Path(folder), library.name, dynamic_shapes=dynamic_shapes,
+                                               configs={"aot_inductor.package_constants_in_so": True} if by_value else None,
+                                               drop_metadata_asserts=by_value)
+        runner = load_runner(staged)
+        values = runner.extract_constants_map(False) if by_value else None
+        fqns = dict(runner.get_constant_names_to_original_fqns())
+        plan = assign_constants(module, matrices, _constants_of(source), fqns, values)
         # The plan proven on random weights against the eager half, with the matrices' rows of K
         # interleaved as the GEMM reads them (``aoti_kernels.VNNI_CANDIDATES``: AMX's VNNI layout).
-        if kind != "w8a8":
-            params = _random_params(module, generator)
         params = with_row_major_codes(params)
         if values is not None:
-            plan = _match_blocked_by_value(plan, params, values, dict(runner.get_constant_names_to_original_fqns()))
+            plan = _match_blocked_by_value(plan, params, values, fqns)
         inputs = example(5, generator)
         with torch.inference_mode():
             want = module(*inputs)

@@ -45,7 +45,7 @@ from .kv_cache import KVCache, round_capacity
 from .rollback import CacheRollback
 from .tree import DraftTree
 from .tree_attention import TreeAttention
-from .weight_formats import WEIGHT_FORMATS, Int8Weight, QuantizedLinear, quantized_layers
+from .weight_formats import DYNAMIC_MATRICES, WEIGHT_FORMATS, Int8Weight, QuantizedLinear, quantized_layers
 
 PREFILL_CHUNK = 512  # longest slice of a prompt FastTarget processes at once
 # Fewest rows per pass FastTarget tries (see FastTarget._probe_min_rows): a lone row always takes
@@ -432,7 +432,7 @@ class FastTarget:
     # One decoder layer in two halves around attention, which each caller lays out its own way.
     @torch.inference_mode()
     def activation_maxima(self, ids: torch.Tensor) -> list[dict[str, torch.Tensor]]:
-        """Per layer, the largest |value| of each input channel of the fused matrices over the
+        """Per layer, the largest |value| of each input channel of ``DYNAMIC_MATRICES`` over the
         sequence ``ids`` (run from position 0 by the layers as they are): what ``w8a8``'s
         smoothing factors are computed from."""
         from dataclasses import replace
@@ -447,7 +447,7 @@ class FastTarget:
             return call
 
         layers = self.layers
-        self.layers = [replace(layer, **{name: recording(i, name, getattr(layer, name)) for name in ("qkv", "o", "gate_up", "down")})
+        self.layers = [replace(layer, **{name: recording(i, name, getattr(layer, name)) for name in DYNAMIC_MATRICES})
                        for i, layer in enumerate(layers)]
         try:
             self.stacked_features([ids.reshape(-1)], [len(layers) - 1])

@@ -18,7 +18,7 @@ llama.cpp pulls. PyTorch ships weight-only kernels for both:
   multiplied int8 by int8 (``torch._int_mm``, 32-bit integer sums: exact, so a row's result
   cannot depend on its company), as llama.cpp quantizes the activations of a Q4 / Q8 matrix
   product. Compiled (``kernels = "aoti"``) this runs inductor's int8 GEMM (AMX's int8 tiles
-  where the CPU has them): SmolLM2's MLP ~3x faster than the bf16-rows int8 kernel at 1-16 rows.
+  where the CPU has them), faster than the bf16-rows int8 kernel (docs/BENCHMARKS.md).
   Rows quantized per row lose more than llama.cpp's blocks of 32 where a few input channels
   carry most of the magnitude, so each matrix's input is first divided by SmoothQuant factors
   (``smoothing_factors``: per input channel, from activation maxima on a calibration text, the
@@ -174,35 +174,43 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(x / scale).clamp(-127, 127).to(torch.int8), scale
 
 
+def int8_rows_product(x: torch.Tensor, codes_t: torch.Tensor, scales: torch.Tensor, smoothing: torch.Tensor) -> torch.Tensor:
+    """``w8a8``'s product: the rows of ``x / smoothing`` quantized (``quantize_rows``) times the
+    int8 weight ``codes_t`` (in, out), the int32 sums rescaled by both sides' scales in fp32. The
+    eager kernel and the compiled layers (``aoti_layers.Matrix``) both run this."""
+    codes, row_scales = quantize_rows(x.float() / smoothing)
+    return (torch._int_mm(codes, codes_t).float() * row_scales * scales).to(x.dtype)
+
+
 class DynamicInt8Weight:
     """``x @ w.T`` with both sides int8 (``w8a8``): the weight times ``smoothing`` (one factor
-    per input channel) in symmetric int8 with one scale per output channel, and each row of
-    ``x / smoothing`` quantized on the fly (``quantize_rows``); ``torch._int_mm``'s int32 sums
-    rescaled in fp32. The compiled layers (``aoti_layers``) run the same math op for op."""
+    per input channel) in symmetric int8 with one scale per output channel (``Int8Weight``'s
+    quantization, scales kept in fp32), each row of ``x / smoothing`` quantized on the fly."""
 
     fmt = "w8a8"
 
     def __init__(self, weight: torch.Tensor, smoothing: torch.Tensor | None = None) -> None:
         self.smoothing = (torch.ones(weight.shape[1]) if smoothing is None else smoothing).float().contiguous()
-        w = weight.float() * self.smoothing
-        scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127
-        self.shape = tuple(weight.shape)
-        self.q = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous()
+        per_channel = Int8Weight(weight.float() * self.smoothing, torch.float32)
+        self.shape, self.q, self.scales = tuple(weight.shape), per_channel.q, per_channel.scales
         self.q_t = self.q.t().contiguous()  # (K, N): _int_mm's right-hand layout
-        self.scales = scale.contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        codes, row_scales = quantize_rows(x.float() / self.smoothing)
-        return (torch._int_mm(codes, self.q_t).float() * row_scales * self.scales).to(x.dtype)
+        return int8_rows_product(x, self.q_t, self.scales, self.smoothing)
 
 
-def smoothing_factors(activation_max: torch.Tensor, weight: torch.Tensor, alpha: float = 0.7) -> torch.Tensor:
+# SmoothQuant's alpha (smoothing_factors); a module constant so that scripts/weight_quality.py
+# can measure others through the engine's own kernels.
+SMOOTHING_ALPHA = 0.7
+
+
+def smoothing_factors(activation_max: torch.Tensor, weight: torch.Tensor, alpha: float | None = None) -> torch.Tensor:
     """SmoothQuant's per-input-channel factors ``s = max|x|^a / max|w|^(1-a)``: the input divided
     by ``s`` and the weight multiplied by it leave the product unchanged and move the spread of
     the input's channels into the weight, which has a scale per output channel to absorb it.
     ``weight`` is a fused matrix (q, k and v; gate and up), whose parts share one set of factors:
-    alpha 0.7 measured best on SmolLM2 that way (0.3-0.9 tried; 0.5, best for unfused matrices,
-    rounded twice as far: docs/BENCHMARKS.md)."""
+    ``SMOOTHING_ALPHA`` by default, measured best on SmolLM2 that way (docs/BENCHMARKS.md)."""
+    alpha = SMOOTHING_ALPHA if alpha is None else alpha
     w_max = weight.float().abs().amax(0).clamp(min=1e-5)
     return (activation_max.float().clamp(min=1e-5) ** alpha / w_max ** (1 - alpha)).contiguous()
 
@@ -233,8 +241,8 @@ def calibration_ids(tokenizer) -> torch.Tensor:
     return torch.tensor(tokenizer(text).input_ids, dtype=torch.long)
 
 
-# The fused matrices whose rows go int8 under ``w8a8``; ``down`` stays weight-only int8 (its
-# inputs, SiLU(gate) * up, spread widest: all four int8 doubled the KL to the fp32 model).
+# The fused matrices whose rows go int8 under ``w8a8``; ``down`` stays weight-only int8: its
+# inputs, SiLU(gate) * up, spread widest, and rounding them too took the model further from fp32.
 DYNAMIC_MATRICES = ("qkv", "o", "gate_up")
 
 
