@@ -1,14 +1,16 @@
 """How far each weight format takes the target from its fp32 self: the figures docs/BENCHMARKS.md
 cites for ``weights = "int8"`` and ``"w8a8"``.
 
-    python scripts/weight_quality.py [--pair smollm2-135m] [--formats bf16,int8,w8a8] [--sequences 24] [--llama-like]
+    python scripts/weight_quality.py [--pair smollm2-135m] [--formats bf16,int8,w8a8] [--sequences 24]
+                                     [--alphas 0.3,0.5,0.7,0.9] [--llama-like]
 
 Teacher-forced over prompt + answer sequences from the newest committed answer shard (the
 target's own answers to training prompts: never HumanEval, nor the held-out set), each format
 runs the engine's own eager kernels (``FastTarget`` with ``weights = FORMAT``, the pair's target
 loaded in fp32) and is compared, position by position, with the fp32 target: how often the
 greedy choice agrees, and the mean KL divergence of the next-token distributions
-(KL(fp32 || format)). ``--llama-like`` adds a simulation of llama.cpp's own activation rounding
+(KL(fp32 || format)). ``--alphas 0.5,0.7`` measures w8a8 again at each SmoothQuant alpha
+(``weight_formats.SMOOTHING_ALPHA``, its default being the engine's). ``--llama-like`` adds a simulation of llama.cpp's own activation rounding
 (int8 weights per channel, rows rounded to int8 in blocks of 32, as its Q8 matrix products do)
 for scale: not an engine format, plain PyTorch math on the same weights.
 """
@@ -27,6 +29,7 @@ import torch.nn.functional as F
 from dflash_core.loading import load_target
 from dflash_core.registry import load_registry
 from dflash_core.target import FastTarget
+from dflash_core import weight_formats
 from dflash_core.weight_formats import calibration_ids
 
 SHARDS = Path(__file__).resolve().parents[1] / "assets" / "data" / "smollm2-answers"
@@ -88,6 +91,7 @@ def main() -> None:
     parser.add_argument("--formats", default="bf16,int8,w8a8")
     parser.add_argument("--sequences", type=int, default=24)
     parser.add_argument("--length", type=int, default=384)
+    parser.add_argument("--alphas", default="", help="w8a8 again at each of these SmoothQuant alphas")
     parser.add_argument("--llama-like", action="store_true")
     parser.add_argument("--out", default="runs/weight_quality")
     args = parser.parse_args()
@@ -104,6 +108,15 @@ def main() -> None:
         runner = FastTarget(model, fmt, calibration_ids=calibration)
         results[fmt] = {**compare(reference, logits_of(runner, seqs)), "runs": runner.weight_note}
         print(fmt, results[fmt], flush=True)
+    engine_alpha = weight_formats.SMOOTHING_ALPHA
+    for alpha in [float(a) for a in args.alphas.split(",") if a]:
+        weight_formats.SMOOTHING_ALPHA = alpha
+        try:
+            runner = FastTarget(loaded.model, "w8a8", calibration_ids=calibration)
+        finally:
+            weight_formats.SMOOTHING_ALPHA = engine_alpha
+        results[f"w8a8 alpha {alpha}"] = compare(reference, logits_of(runner, seqs))
+        print(f"w8a8 alpha {alpha}", results[f"w8a8 alpha {alpha}"], flush=True)
     if args.llama_like:
         results["llama.cpp-like (int8 rows in blocks of 32, simulated)"] = compare(reference, llama_like(loaded.model, seqs))
         print("llama-like", results["llama.cpp-like (int8 rows in blocks of 32, simulated)"], flush=True)
