@@ -43,6 +43,11 @@ SWITCH = "DFLASH_AOTI_ATTENTION"
 # kv_cache.CAPACITY_ALIGN, so that a span never passes a cache's capacity): smaller spans waste
 # fewer columns, but split more passes in two.
 SPAN = 64
+# Fewest rows the kernel is called with: a lone row's products take a matrix-vector path that
+# rounds differently on some CPUs (seen with MKL on AMD EPYC, not on the AMX Xeon), as
+# FastTarget's passes do (its ``min_rows``); a shorter call repeats its last row (the same
+# position, so the same write), and the probe checks the padded calls like the others.
+MIN_CALL_ROWS = 2
 
 
 @dataclass(frozen=True)
@@ -92,6 +97,14 @@ def write_and_attend_span(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key
     torch._check(span <= keys.shape[1])
     hidden_mask = ~(columns[None, :] <= rows[:, None])
     return eager_attention(q, keys[:, :span], values[:, :span], rows, hidden_mask)
+
+
+def padded_rows(least: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``tensors`` (rows first) with their last row repeated up to ``least`` rows."""
+    real = tensors[0].shape[0]
+    if real >= least:
+        return tensors
+    return tuple(torch.cat((t, t[-1:].expand(least - real, *t.shape[1:]))) for t in tensors)
 
 
 def span_of(position: int, capacity: int) -> int:
@@ -158,11 +171,16 @@ class CompiledAttention:
                  rows: torch.Tensor, runs: Runs | None = None) -> torch.Tensor:
         if runs is None:
             runs = self.runs(rows.tolist(), keys.shape[1])
-        q, k, v, rows = q.contiguous(), k.contiguous(), v.contiguous(), rows.contiguous()
         if len(runs) == 1:
-            return self.runner.run([q, k, v, keys, values, rows, runs[0][2]])[0]
-        return torch.cat([self.runner.run([q[lo:hi], k[lo:hi], v[lo:hi], keys, values, rows[lo:hi], columns])[0]
+            return self._call(q, k, v, keys, values, rows, runs[0][2])
+        return torch.cat([self._call(q[lo:hi], k[lo:hi], v[lo:hi], keys, values, rows[lo:hi], columns)
                           for lo, hi, columns in runs])
+
+    def _call(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+              rows: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+        real = q.shape[0]
+        q, k, v, rows = (t.contiguous() for t in padded_rows(MIN_CALL_ROWS, q, k, v, rows))
+        return self.runner.run([q, k, v, keys, values, rows, columns])[0][:real]
 
 
 def exact_here(attention, spec: AttentionSpec) -> str | None:

@@ -36,7 +36,7 @@ from typing import Protocol, Sequence
 import torch
 import torch.nn.functional as F
 
-from .aoti_attention import eager_attention
+from .aoti_attention import MIN_CALL_ROWS, eager_attention
 from .aoti_kernels import KERNELS
 from . import cuda_graphs
 from .aoti_layers import CompiledLayer
@@ -556,7 +556,7 @@ class FastTarget:
         attend, columns = attention.runner.run, runs[0][2]
         for li, layer in enumerate(self.layers):
             q, k, v = layer.before.runner.run([x, cos, sin])
-            if len(runs) == 1:
+            if len(runs) == 1 and len(rows) >= MIN_CALL_ROWS:
                 att = attend([q.contiguous(), k.contiguous(), v.contiguous(), keys[li], values[li], rows, columns])[0]
             else:
                 att = attention(q, k, v, keys[li], values[li], rows, runs)

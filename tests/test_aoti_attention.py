@@ -38,17 +38,23 @@ def test_eager_attention_is_causal_attention_over_the_cache_up_to_each_position(
     assert torch.equal(eager_attention(q, keys, values, rows, hidden), got)
 
 
+def _eager_as_called(q, k, v, keys, values, rows):
+    """The eager math called as the kernel is: never on fewer than ``MIN_CALL_ROWS`` rows."""
+    q, k, v, padded = aoti_attention.padded_rows(aoti_attention.MIN_CALL_ROWS, q, k, v, rows)
+    return write_and_attend(q, k, v, keys, values, padded)[: rows.shape[0]]
+
+
 def test_the_probe_accepts_the_eager_math_and_refuses_other_numbers_rows_that_depend_on_their_company_or_lost_writes():
-    assert exact_here(write_and_attend, SPEC) is None
+    assert exact_here(_eager_as_called, SPEC) is None
 
     def off(q, k, v, keys, values, rows):
-        return write_and_attend(q, k, v, keys, values, rows) * 1.01
+        return _eager_as_called(q, k, v, keys, values, rows) * 1.01
 
     def company(q, k, v, keys, values, rows):  # a result that moves with the number of rows in the call
-        return write_and_attend(q, k, v, keys, values, rows) + q.shape[0] * 1e-7
+        return _eager_as_called(q, k, v, keys, values, rows) + q.shape[0] * 1e-7
 
     def forgetful(q, k, v, keys, values, rows):  # attends over its rows but leaves the cache as it was
-        return write_and_attend(q, k, v, keys.clone(), values.clone(), rows)
+        return _eager_as_called(q, k, v, keys.clone(), values.clone(), rows)
 
     assert exact_here(off, SPEC) == "its results are not the eager attention's"
     assert exact_here(company, SPEC) == "a row's result changes with the rows beside it in a call"
@@ -75,6 +81,26 @@ def test_a_rows_span_is_its_position_rounded_up_and_a_pass_splits_where_the_span
     assert [(lo, hi, columns.tolist()) for lo, hi, columns in runs] == [
         (0, 3, list(range(span))), (3, 5, list(range(2 * span)))]
     assert [(lo, hi, len(c)) for lo, hi, c in kernel.runs([7, 8], 4 * span)] == [(0, 2, span)]
+
+
+def test_a_call_shorter_than_the_fewest_rows_repeats_its_last_row_and_returns_its_own():
+    calls = []
+
+    class Recorder:  # the kernel's math in place of its runner, keeping what each call got
+        def run(self, inputs):
+            calls.append(inputs[0].shape[0])
+            return [aoti_attention.write_and_attend_span(*inputs)]
+
+    kernel = object.__new__(aoti_attention.CompiledAttention)
+    kernel.runner, kernel._columns = Recorder(), torch.arange(0)
+    q, keys, values, rows = _inputs(t=1, cap=48)
+    k, v = torch.randn(1, 2, 16), torch.randn(1, 2, 16)
+    want_keys, want_values = keys.clone(), values.clone()
+    want = write_and_attend(q, k, v, want_keys, want_values, rows)
+    got = kernel(q, k, v, keys, values, rows)
+    assert calls == [aoti_attention.MIN_CALL_ROWS] and got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert torch.equal(keys, want_keys) and torch.equal(values, want_values)
 
 
 def test_the_switch_and_the_target_decide_before_anything_is_built(monkeypatch):
