@@ -23,6 +23,7 @@ Whole decoder layers compiled around attention, tried before the matrices, are `
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -88,6 +89,32 @@ def kernel_dir() -> Path:
     from .loading import cache_root
 
     return cache_root() / "aoti" / _machine()
+
+
+@functools.cache
+def int8_rows_gemm_missing() -> str | None:
+    """Why inductor's C++ GEMM would run ``w8a8``'s int8 x int8 products (rows and weights both
+    signed int8) through its reference loops on this CPU, one multiply at a time, or None where it
+    has a vector kernel for them. Asked of inductor's own table of micro-kernels, which differs by
+    instruction set and release (in PyTorch 2.13: AMX tiles only; AVX-512 VNNI without AMX, as on an
+    EPYC Zen 4, takes unsigned rows only), rather than assumed from the CPU's name. None too where
+    inductor cannot say: the build and the probes then decide as for every kernel."""
+    try:
+        import torch._inductor.compile_fx  # noqa: F401  (imports inductor's lowerings in their order)
+        from torch._inductor.codegen.cpp_micro_gemm import create_micro_gemm
+        from torch._inductor.cpu_vec_isa import pick_vec_isa
+        from torch._inductor.graph import GraphLowering
+        from torch._inductor.virtualized import V
+
+        with V.set_graph_handler(GraphLowering(torch.fx.symbolic_trace(torch.nn.Identity()))):
+            kernel = create_micro_gemm("probe", 16, 64, 64, torch.int8, torch.int8, torch.int32, torch.int32,
+                                       use_ref=False)
+        isa = str(pick_vec_isa()) or "no vector instructions"
+    except Exception:  # an inductor without these internals: nothing known
+        return None
+    if kernel is not None:
+        return None
+    return f"inductor has no int8 x int8 kernel for this CPU ({isa}), only its reference loops"
 
 
 # What a kernel is built for: the weight's storage ("float32", or "int8" with per-channel scales).

@@ -254,8 +254,16 @@ class FastTarget:
         self.weight_format, self.weight_note = "bf16", "bf16"
         self.compiled_layers = False  # whether the layers run aoti_layers' whole-half kernels
         bf16_layers = self.layers
+        asked = weights
+        if weights == "w8a8" and kernels == "aoti" and self.device.type == "cpu":
+            # Compiled int8 x int8 products through a reference loop run several times slower than
+            # the int8 weight-only kernels (docs/BENCHMARKS.md, the AMD EPYC): those run instead.
+            from .aoti_kernels import int8_rows_gemm_missing
+
+            missing = int8_rows_gemm_missing()
+            weights = "int8" if missing else weights
         if weights != "bf16":
-            if weights == "w8a8" and calibration_ids is None:
+            if asked == "w8a8" and calibration_ids is None:
                 raise ValueError("weights = 'w8a8' needs calibration_ids: token ids of a text whose activation maxima "
                                  "set the smoothing factors (loading passes weight_formats' calibration text)")
             maxima = self.activation_maxima(calibration_ids) if weights == "w8a8" else None
@@ -264,6 +272,8 @@ class FastTarget:
                 self.weight_note = f"asked for {weights}, running bf16: {note}"
             else:
                 self.layers, self.weight_format, self.weight_note = layers, weights, note
+            if weights != asked:
+                self.weight_note = f"asked for {asked}, running {weights} ({missing}): {self.weight_note}"
         # The kernels the full-precision matrices run on (``kernels``; see aoti_kernels.py).
         self.kernels, self.kernel_note = "onednn", "oneDNN"
         self.attention = None  # aoti_attention's kernel, beside compiled layers; None: eager_attention
