@@ -27,7 +27,7 @@ PROMPT_DEBIAN_PACKAGES := golang-github-dustin-go-humanize-dev=1.0.0-3 golang-gi
 	librust-unicode-segmentation-dev=1.9.0-1 librust-url-dev=2.3.1-1 wordnet-base=1:3.0-37
 PROMPT_SOURCES ?= runs/prompt-sources
 
-.PHONY: setup browser demo test test-fast peers bench benchmarks gen-data prompts train-bundled train-bundled-fresh clean
+.PHONY: setup browser demo test test-fast peers bench benchmarks benchmarks-bars gen-data prompts train-bundled train-bundled-fresh clean
 
 # The recipe from nothing (train-bundled-fresh, the previous bundled drafter's: about 2.4 hours on 2 idle CPU
 # cores, measured; resumable) and its budgets; gen-data takes GEN_MINUTES per run.
@@ -120,6 +120,16 @@ benchmarks: bench
 	$(PY) -m dflash_core bench-report runs/bench/humaneval-b16 runs/bench/heldout-b16 runs/bench/humaneval-b8 \
 	  runs/bench/humaneval-t0.7 runs/bench/humaneval-t1.0 runs/bench/int8-humaneval-b16 runs/bench/w8a8-humaneval-b16 \
 	  --drafter assets/drafters/smollm2-135m-dflash --notes docs/benchmark-notes.md --out docs/BENCHMARKS.md
+
+# Issue 18's two runs (the default pair's `make bench` and the int8 pair's, about 26 minutes on 2
+# cores) on their own page: docs/BENCHMARKS-AMD.md was written so on an AMD EPYC.
+BARS_PAGE ?= docs/BENCHMARKS-AMD.md
+BARS_NOTES ?= docs/benchmark-notes-amd.md
+benchmarks-bars: bench
+	$(BENCH) --pair smollm2-135m-int8 --prompts humaneval --limit 20 --block-size 16 \
+	  --methods ar,dflash,dflash_tree_lookup_adaptive,llama_cpp --out runs/bench/int8-humaneval-b16
+	$(PY) -m dflash_core bench-report runs/bench/humaneval-b16 runs/bench/int8-humaneval-b16 \
+	  --drafter assets/drafters/smollm2-135m-dflash --notes $(BARS_NOTES) --out $(BARS_PAGE) --made-by "make benchmarks-bars"
 
 # The committed training data (docs/TRAINING.md, "Growing the data"): `make gen-data` adds shards of
 # the target's answers for GEN_MINUTES (per run; resumable, any number of runs), `make train-bundled`

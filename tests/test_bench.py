@@ -45,6 +45,10 @@ def test_bench_writes_results_and_report(tmp_path, capsys):
     assert cli.main(["bench-report", str(out), "--out", str(page)]) == 0
     text = page.read_text()
     assert f"| {summary['tau']:.2f} | {summary['tokens_per_s']['ar']:.2f} | {summary['tokens_per_s']['dflash']:.2f} |" in text
+    assert "(`make benchmarks` runs them all, then writes this page)" in text
+    # a page of other runs names the command that makes it
+    assert cli.main(["bench-report", str(out), "--out", str(page), "--made-by", "make benchmarks-bars"]) == 0
+    assert "(`make benchmarks-bars` runs them all" in page.read_text()
     assert cli.main(["bench-report", str(tmp_path / "missing"), "--out", str(page)]) == 2
 
 

@@ -115,6 +115,7 @@ def add_bench_report_parser(sub: Any) -> None:
     r.add_argument("--drafter", type=Path, help="drafter directory whose training_info.json to include")
     r.add_argument("--notes", type=Path, help="a Markdown file of hand-written analysis, appended under 'Notes'")
     r.add_argument("--out", type=Path, default=Path("docs/BENCHMARKS.md"))
+    r.add_argument("--made-by", default="make benchmarks", help="the command that runs the runs and writes the page")
     r.set_defaults(func=cmd_bench_report)
 
 
@@ -133,7 +134,7 @@ def cmd_bench_report(args: argparse.Namespace) -> int:
         info_file = args.drafter / "training_info.json"
         info = json.loads(info_file.read_text()) if info_file.is_file() else None
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    page = benchmarks_markdown(runs, info)
+    page = benchmarks_markdown(runs, info, args.made_by)
     if args.notes is not None:
         if not args.notes.is_file():
             raise SettingsError(f"--notes {args.notes} does not exist")

@@ -200,7 +200,8 @@ def _section_title(settings: dict[str, Any], main_pair: str | None = None) -> st
     return ", ".join(parts)
 
 
-def benchmarks_markdown(runs: list[dict[str, Any]], drafter_info: dict[str, Any] | None = None) -> str:
+def benchmarks_markdown(runs: list[dict[str, Any]], drafter_info: dict[str, Any] | None = None,
+                        made_by: str = "make benchmarks") -> str:
     """docs/BENCHMARKS.md from several results.json files (each: settings + summary), in order.
 
     Nothing here is typed by hand: every figure is read from a bench run (or, for the training
@@ -210,7 +211,7 @@ def benchmarks_markdown(runs: list[dict[str, Any]], drafter_info: dict[str, Any]
         "# Benchmarks",
         "",
         "Produced by `python -m dflash_core bench-report` from the `results.json` of the bench runs",
-        "listed below (`make benchmarks` runs them all, then writes this page). Every run interleaves",
+        f"listed below (`{made_by}` runs them all, then writes this page). Every run interleaves",
         "the methods per prompt after a warm-up, so machine drift hits all of them alike; tokens/s",
         "counts generated tokens over wall time including the prompt's prefill.",
         "",
