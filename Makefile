@@ -121,14 +121,16 @@ benchmarks: bench
 	  runs/bench/humaneval-t0.7 runs/bench/humaneval-t1.0 runs/bench/int8-humaneval-b16 runs/bench/w8a8-humaneval-b16 \
 	  --drafter assets/drafters/smollm2-135m-dflash --notes docs/benchmark-notes.md --out docs/BENCHMARKS.md
 
-# Issue 18's two runs (the default pair's `make bench` and the int8 pair's, about 26 minutes on 2
+# Issue 18's runs (the default pair's `make bench`, the int8 and w8a8 pairs', about 32 minutes on 2
 # cores) on their own page: docs/BENCHMARKS-AMD.md was written so on an AMD EPYC.
 BARS_PAGE ?= docs/BENCHMARKS-AMD.md
 BARS_NOTES ?= docs/benchmark-notes-amd.md
 benchmarks-bars: bench
 	$(BENCH) --pair smollm2-135m-int8 --prompts humaneval --limit 20 --block-size 16 \
 	  --methods ar,dflash,dflash_tree_lookup_adaptive,llama_cpp --out runs/bench/int8-humaneval-b16
-	$(PY) -m dflash_core bench-report runs/bench/humaneval-b16 runs/bench/int8-humaneval-b16 \
+	$(BENCH) --pair smollm2-135m-w8a8 --prompts humaneval --limit 20 --block-size 16 \
+	  --methods ar,dflash,dflash_tree_lookup_adaptive,llama_cpp --out runs/bench/w8a8-humaneval-b16
+	$(PY) -m dflash_core bench-report runs/bench/humaneval-b16 runs/bench/int8-humaneval-b16 runs/bench/w8a8-humaneval-b16 \
 	  --drafter assets/drafters/smollm2-135m-dflash --notes $(BARS_NOTES) --out $(BARS_PAGE) --made-by "make benchmarks-bars"
 
 # The committed training data (docs/TRAINING.md, "Growing the data"): `make gen-data` adds shards of
