@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from .aoti_kernels import cached, compile_shared_object, install, kernel_dir, load_runner, spec_digest
+from .kernels import padded_rows
 
 # In the cached kernel's name: a kernel built by an earlier version (other inputs) is never loaded.
 KERNEL_VERSION = "v3"  # v2: the rows' keys and values are the kernel's inputs, written by it; v3: spans
@@ -97,14 +98,6 @@ def write_and_attend_span(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key
     torch._check(span <= keys.shape[1])
     hidden_mask = ~(columns[None, :] <= rows[:, None])
     return eager_attention(q, keys[:, :span], values[:, :span], rows, hidden_mask)
-
-
-def padded_rows(least: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """``tensors`` (rows first) with their last row repeated up to ``least`` rows."""
-    real = tensors[0].shape[0]
-    if real >= least:
-        return tensors
-    return tuple(torch.cat((t, t[-1:].expand(least - real, *t.shape[1:]))) for t in tensors)
 
 
 def span_of(position: int, capacity: int) -> int:

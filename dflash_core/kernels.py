@@ -33,6 +33,15 @@ import torch.nn.functional as F
 PROBE_ROWS = (2, 3, 16)
 
 
+def padded_rows(least: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``tensors`` (rows first) with their last row repeated up to ``least`` rows: how a pass, or
+    a call inside one, keeps off the matrix-vector path a lone row takes (see ``PROBE_ROWS``)."""
+    real = tensors[0].shape[0]
+    if real >= least:
+        return tensors
+    return tuple(torch.cat((t, t[-1:].expand(least - real, *t.shape[1:]))) for t in tensors)
+
+
 def _packing_available(weight: torch.Tensor) -> bool:
     return (
         weight.device.type == "cpu"

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 
 from .aoti_attention import MIN_CALL_ROWS, eager_attention
 from .aoti_kernels import KERNELS
+from .kernels import padded_rows
 from . import cuda_graphs
 from .aoti_layers import CompiledLayer
 from .families import ADAPTERS, FusedLayer, fast_path_reason
@@ -254,10 +255,10 @@ class FastTarget:
         self.weight_format, self.weight_note = "bf16", "bf16"
         self.compiled_layers = False  # whether the layers run aoti_layers' whole-half kernels
         bf16_layers = self.layers
-        asked = weights
+        asked, missing = weights, None
         if weights == "w8a8" and kernels == "aoti" and self.device.type == "cpu":
             # Compiled int8 x int8 products through a reference loop run several times slower than
-            # the int8 weight-only kernels (docs/BENCHMARKS.md, the AMD EPYC): those run instead.
+            # the int8 weight-only kernels (docs/BENCHMARKS-AMD.md): those run instead.
             from .aoti_kernels import int8_rows_gemm_missing
 
             missing = int8_rows_gemm_missing()
@@ -272,7 +273,7 @@ class FastTarget:
                 self.weight_note = f"asked for {weights}, running bf16: {note}"
             else:
                 self.layers, self.weight_format, self.weight_note = layers, weights, note
-            if weights != asked:
+            if missing:
                 self.weight_note = f"asked for {asked}, running {weights} ({missing}): {self.weight_note}"
         # The kernels the full-precision matrices run on (``kernels``; see aoti_kernels.py).
         self.kernels, self.kernel_note = "onednn", "oneDNN"
@@ -502,11 +503,10 @@ class FastTarget:
         real = ids.shape[0]
         start = cache.length
         end = start + real
-        if real < self.min_rows:
-            # Matrix kernels pick another code path (a GEMV, a different K split) for a single
-            # row, which rounds differently; repeating the last row keeps every position on the
-            # multi-row path, so a token decoded alone matches the same token inside a block.
-            ids = torch.cat((ids, ids[-1:].expand(self.min_rows - real)))
+        # Matrix kernels pick another code path (a GEMV, a different K split) for a single row,
+        # which rounds differently; repeating the last row keeps every position on the multi-row
+        # path, so a token decoded alone matches the same token inside a block.
+        (ids,) = padded_rows(self.min_rows, ids)
         cache.check_room(end)
         rows = torch.arange(start, start + ids.shape[0], device=self.device).clamp_max(end - 1)
         if self.graphs is not None:
@@ -564,9 +564,10 @@ class FastTarget:
         attention, (keys, values) = self.attention, (self.cache.k, self.cache.v)
         runs = attention.runs(rows.tolist(), self.cache.capacity)  # the rows' spans, the same in every layer
         attend, columns = attention.runner.run, runs[0][2]
+        direct = len(runs) == 1 and len(rows) >= MIN_CALL_ROWS  # else the wrapper splits and pads the calls
         for li, layer in enumerate(self.layers):
             q, k, v = layer.before.runner.run([x, cos, sin])
-            if len(runs) == 1 and len(rows) >= MIN_CALL_ROWS:
+            if direct:
                 att = attend([q.contiguous(), k.contiguous(), v.contiguous(), keys[li], values[li], rows, columns])[0]
             else:
                 att = attention(q, k, v, keys[li], values[li], rows, runs)

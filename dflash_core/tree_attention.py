@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from .kernels import padded_rows
 from .tree import DraftTree
 
 if TYPE_CHECKING:
@@ -65,10 +66,7 @@ class TreeAttention:
         start = cache.length
         cache.check_room(start + real)
         depths = torch.tensor(tree.depths, device=target.device)
-        if real < target.min_rows:  # as in forward: every row on the multi-row kernel path
-            pad = target.min_rows - real
-            ids = torch.cat((ids, ids[-1:].expand(pad)))
-            depths = torch.cat((depths, depths[-1:].expand(pad)))
+        ids, depths = padded_rows(target.min_rows, ids, depths)  # as in forward: every row on the multi-row path
         positions = start + depths
         cos, sin = target.cos[positions], target.sin[positions]
         # One layer's attention for every row, (layer, q, k, v) -> (T, heads * D), laid out for

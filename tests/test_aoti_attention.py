@@ -10,6 +10,7 @@ import torch
 
 from dflash_core import aoti_attention, aoti_kernels
 from dflash_core.aoti_attention import AttentionSpec, compiled_attention, eager_attention, exact_here, write_and_attend
+from dflash_core.kernels import padded_rows
 from dflash_core.target import FastTarget
 from dflash_core.testing import tiny_target, two_shape_llama
 
@@ -40,7 +41,7 @@ def test_eager_attention_is_causal_attention_over_the_cache_up_to_each_position(
 
 def _eager_as_called(q, k, v, keys, values, rows):
     """The eager math called as the kernel is: never on fewer than ``MIN_CALL_ROWS`` rows."""
-    q, k, v, padded = aoti_attention.padded_rows(aoti_attention.MIN_CALL_ROWS, q, k, v, rows)
+    q, k, v, padded = padded_rows(aoti_attention.MIN_CALL_ROWS, q, k, v, rows)
     return write_and_attend(q, k, v, keys, values, padded)[: rows.shape[0]]
 
 

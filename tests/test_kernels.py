@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash_core.kernels import Linear, native_bf16, onednn_bf16
+from dflash_core.kernels import Linear, native_bf16, onednn_bf16, padded_rows
 from dflash_core.testing import tiny_target
 
 
@@ -204,3 +204,11 @@ def test_packed_drafter_gives_the_same_hidden_states_and_follows_weight_changes(
     with torch.inference_mode():
         unpacked.layers[0].mlp.down_proj.weight.mul_(2.0)
         assert torch.equal(unpacked(*args), changed)
+
+
+def test_padded_rows_repeat_every_tensors_last_row_up_to_the_fewest_and_leave_longer_ones_alone():
+    ids, depths = torch.tensor([5]), torch.tensor([[3, 4]])
+    got_ids, got_depths = padded_rows(3, ids, depths)
+    assert got_ids.tolist() == [5, 5, 5] and got_depths.tolist() == [[3, 4]] * 3
+    long = torch.arange(4)
+    assert padded_rows(2, long)[0] is long
