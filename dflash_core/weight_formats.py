@@ -18,7 +18,9 @@ llama.cpp pulls. PyTorch ships weight-only kernels for both:
   multiplied int8 by int8 (``torch._int_mm``, 32-bit integer sums: exact, so a row's result
   cannot depend on its company), as llama.cpp quantizes the activations of a Q4 / Q8 matrix
   product. Compiled (``kernels = "aoti"``) this runs inductor's int8 GEMM (AMX's int8 tiles
-  where the CPU has them), faster than the bf16-rows int8 kernel (docs/BENCHMARKS.md).
+  where the CPU has them), faster than the bf16-rows int8 kernel (docs/BENCHMARKS.md); where
+  inductor has only its reference loops for it (``aoti_kernels.int8_rows_gemm_missing``: AVX-512
+  without AMX, AVX2), FastTarget runs ``int8`` instead (docs/BENCHMARKS-AMD.md).
   Rows quantized per row lose more than llama.cpp's blocks of 32 where a few input channels
   carry most of the magnitude, so each matrix's input is first divided by SmoothQuant factors
   (``smoothing_factors``: per input channel, from activation maxima on a calibration text, the
