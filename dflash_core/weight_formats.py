@@ -19,8 +19,10 @@ llama.cpp pulls. PyTorch ships weight-only kernels for both:
   cannot depend on its company), as llama.cpp quantizes the activations of a Q4 / Q8 matrix
   product. Compiled (``kernels = "aoti"``) this runs inductor's int8 GEMM (AMX's int8 tiles
   where the CPU has them), faster than the bf16-rows int8 kernel (docs/BENCHMARKS.md); where
-  inductor has only its reference loops for it (``aoti_kernels.int8_rows_gemm_missing``: AVX-512
-  without AMX, AVX2), FastTarget runs ``int8`` instead (docs/BENCHMARKS-AMD.md).
+  inductor has a vector kernel for unsigned rows only (AVX-512 VNNI without AMX, as on an EPYC
+  Zen 4), the rows go in shifted by 128 (``aoti_layers.unsigned_rows_product``: the same integer
+  sums); where it has neither (AVX2; ``aoti_kernels.w8a8_rows``), FastTarget runs ``int8`` instead
+  (docs/BENCHMARKS-AMD.md).
   Rows quantized per row lose more than llama.cpp's blocks of 32 where a few input channels
   carry most of the magnitude, so each matrix's input is first divided by SmoothQuant factors
   (``smoothing_factors``: per input channel, from activation maxima on a calibration text, the
@@ -35,6 +37,7 @@ share the call; otherwise the caller keeps its bf16 linear (``QuantizedLinear.bu
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -184,6 +187,19 @@ def int8_rows_product(x: torch.Tensor, codes_t: torch.Tensor, scales: torch.Tens
     return (torch._int_mm(codes, codes_t).float() * row_scales * scales).to(x.dtype)
 
 
+@functools.cache
+def int8_sums_exact() -> bool:
+    """Whether ``torch._int_mm`` sums int8 products exactly in int32 on this CPU. oneDNN's int8
+    kernels for CPUs without VNNI (AVX2) add two byte products in a 16-bit lane first
+    (``vpmaddubsw``), which saturates: rows of 127 against weights of 127 overflow it at once."""
+    generator = torch.Generator().manual_seed(0)
+    a = torch.cat([torch.full((2, 64), 127, dtype=torch.int8), torch.full((2, 64), -127, dtype=torch.int8),
+                   torch.randint(-127, 128, (4, 64), generator=generator, dtype=torch.int8)])
+    b = torch.cat([torch.full((64, 8), 127, dtype=torch.int8),
+                   torch.randint(-127, 128, (64, 8), generator=generator, dtype=torch.int8)], 1)
+    return torch.equal(torch._int_mm(a, b), (a.double() @ b.double()).to(torch.int32))
+
+
 class DynamicInt8Weight:
     """``x @ w.T`` with both sides int8 (``w8a8``): the weight times ``smoothing`` (one factor
     per input channel) in symmetric int8 with one scale per output channel (``Int8Weight``'s
@@ -312,6 +328,9 @@ def quantized_layers(layers: list, fmt: str, dtype: torch.dtype, q4_blocks: dict
     devices = {lin.weight.device.type for layer in layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)}
     if devices != {"cpu"}:
         return None, f"the {fmt} weight-only kernels run on CPU only (weights on {', '.join(sorted(devices))})"
+    if fmt == "w8a8" and not int8_sums_exact():
+        return None, ("torch._int_mm's int32 sums are not exact on this CPU (oneDNN without VNNI adds pairs of "
+                      "byte products in 16 bits, which saturate)")
     from_file = fmt == "int4" and q4_blocks is not None and all(
         f"model.layers.{i}.{name}" in q4_blocks for i in range(len(layers)) for names in FUSED.values() for name in names)
     if from_file:
