@@ -80,9 +80,15 @@ def _machine() -> str:
 def spec_digest(spec) -> str:
     """A short name for what a kernel was built for (a dataclass of its shapes and math), for the
     kernel's file name in the cache."""
-    from dataclasses import asdict
+    from dataclasses import asdict, fields
 
-    return hashlib.sha256(json.dumps(asdict(spec), sort_keys=True).encode()).hexdigest()[:12]
+    # A field marked ``omitted_at_default`` (one added after kernels were built) is left out at its
+    # default, so that those kernels keep their names in the cache.
+    described = asdict(spec)
+    for f in fields(spec):
+        if f.metadata.get("omitted_at_default") and described[f.name] == f.default:
+            del described[f.name]
+    return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:12]
 
 
 def kernel_dir() -> Path:
@@ -92,13 +98,11 @@ def kernel_dir() -> Path:
 
 
 @functools.cache
-def int8_rows_gemm_missing() -> str | None:
-    """Why inductor's C++ GEMM would run ``w8a8``'s int8 x int8 products (rows and weights both
-    signed int8) through its reference loops on this CPU, one multiply at a time, or None where it
-    has a vector kernel for them. Asked of inductor's own table of micro-kernels, which differs by
-    instruction set and release (in PyTorch 2.13: AMX tiles only; AVX-512 VNNI without AMX, as on an
-    EPYC Zen 4, takes unsigned rows only), rather than assumed from the CPU's name. None too where
-    inductor cannot say: the build and the probes then decide as for every kernel."""
+def _int8_micro_gemm(rows: torch.dtype) -> tuple[bool | None, str]:
+    """Whether inductor's table of micro-kernels has a vector kernel for ``rows`` (int8 or uint8)
+    times int8 weights on this CPU (None: inductor cannot say), and the vector instructions it
+    picked. Asked of the table itself, which differs by instruction set and release, rather than
+    assumed from the CPU's name."""
     try:
         import torch._inductor.compile_fx  # noqa: F401  (imports inductor's lowerings in their order)
         from torch._inductor.codegen.cpp_micro_gemm import create_micro_gemm
@@ -107,14 +111,33 @@ def int8_rows_gemm_missing() -> str | None:
         from torch._inductor.virtualized import V
 
         with V.set_graph_handler(GraphLowering(torch.fx.symbolic_trace(torch.nn.Identity()))):
-            kernel = create_micro_gemm("probe", 16, 64, 64, torch.int8, torch.int8, torch.int32, torch.int32,
-                                       use_ref=False)
-        isa = str(pick_vec_isa()) or "no vector instructions"
+            kernel = create_micro_gemm("probe", 16, 64, 64, rows, torch.int8, torch.int32, torch.int32, use_ref=False)
+        return kernel is not None, str(pick_vec_isa()) or "no vector instructions"
     except Exception:  # an inductor without these internals: nothing known
-        return None
-    if kernel is not None:
-        return None
-    return f"inductor has no int8 x int8 kernel for this CPU ({isa}), only its reference loops"
+        return None, "unknown"
+
+
+def int8_rows_gemm_missing() -> str | None:
+    """Why inductor's C++ GEMM would run ``w8a8``'s int8 x int8 products (rows and weights both
+    signed int8) through its reference loops on this CPU, one multiply at a time, or None where it
+    has a vector kernel for them (in PyTorch 2.13: AMX tiles only). None too where inductor cannot
+    say: the build and the probes then decide as for every kernel."""
+    found, isa = _int8_micro_gemm(torch.int8)
+    return None if found is not False else f"inductor has no int8 x int8 kernel for this CPU ({isa}), only its reference loops"
+
+
+def w8a8_rows() -> tuple[str | None, str | None]:
+    """How ``w8a8``'s quantized rows enter inductor's int8 GEMM here: "int8" where it has a vector
+    kernel for signed rows (AMX); "uint8" (the codes shifted by 128, a zero point the GEMM takes
+    off exactly through its column sums) where it has one for unsigned rows only (AVX-512 VNNI, as
+    on an EPYC Zen 4: its ``vpdpbusd`` multiplies unsigned by signed bytes, summing in int32
+    without saturation); None where it has neither, with why."""
+    missing = int8_rows_gemm_missing()
+    if missing is None:
+        return "int8", None
+    if _int8_micro_gemm(torch.uint8)[0]:
+        return "uint8", None
+    return None, f"{missing}; none for unsigned rows either"
 
 
 # What a kernel is built for: the weight's storage ("float32", or "int8" with per-channel scales).

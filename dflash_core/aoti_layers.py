@@ -33,7 +33,7 @@ from .aoti_kernels import (INT8_ROWS, VNNI_CANDIDATES, blocked, cached, compile_
                            load_runner, spec_digest, swap_in)
 from .families import FusedLayer
 from .kernels import probe_rows
-from .weight_formats import DYNAMIC_MATRICES, int8_rows_product
+from .weight_formats import DYNAMIC_MATRICES, int8_rows_product, quantize_rows
 
 MATRICES = {"before": ("qkv",), "after": ("o", "gate_up", "down")}
 
@@ -51,6 +51,9 @@ class LayerSpec:
     eps: float
     biases: tuple[str, ...] = ()  # the matrices with a bias
     qk_norm: bool = False
+    # w8a8's quantized rows as inductor's int8 GEMM takes them (aoti_kernels.w8a8_rows): "int8", or
+    # "uint8" (the codes plus ROW_ZERO_POINT)
+    rows: str = field(default="int8", metadata={"omitted_at_default": True})
 
     def matrix_kind(self, name: str) -> str:
         """How matrix ``name`` runs: w8a8 layers keep ``down`` weight-only int8 (weight_formats.DYNAMIC_MATRICES)."""
@@ -69,16 +72,44 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * y.to(x.dtype)
 
 
+# w8a8's row codes (-127..127) plus this are unsigned bytes: what AVX-512 VNNI multiplies by signed ones.
+ROW_ZERO_POINT = 128
+
+
+def unsigned_rows_product(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor,
+                          smoothing: torch.Tensor) -> torch.Tensor:
+    """``int8_rows_product`` with the row codes shifted into uint8 (weight (out, in), as stored by
+    ``DynamicInt8Weight.q``): the same int32 sums, the shift taken off through the weight's column
+    sums, written as PyTorch's quantization pattern (dequantize, linear), which inductor lowers to
+    its int8 GEMM with unsigned rows. The weight must be a buffer of its own, not a view of the
+    (in, out) codes: inductor packs a transposed view as if it were not (wrong sums, torch 2.13);
+    and ``zero_points`` a buffer, so that the GEMM sees the weight's zero points as constants."""
+    import torch.ao.quantization.fx._decomposed  # noqa: F401  (registers torch.ops.quantized_decomposed; a second)
+
+    codes, row_scales = quantize_rows(x.float() / smoothing)
+    q = torch.ops.quantized_decomposed
+    shifted = (codes.to(torch.int16) + ROW_ZERO_POINT).to(torch.uint8)
+    rows = q.dequantize_per_tensor.default(shifted, 1.0, ROW_ZERO_POINT, 0, 255, torch.uint8)
+    weight = q.dequantize_per_channel.default(weight, scales, zero_points, 0, -128, 127, torch.int8)
+    return (F.linear(rows, weight) * row_scales).to(x.dtype)
+
+
 class Matrix(torch.nn.Module):
     """One matrix as the eager layer runs it: ``kernels.Linear`` (fp32), ``QuantizedLinear`` of
     an ``Int8Weight`` (int8 codes, per-channel scales, rows in bf16) or of a ``DynamicInt8Weight``
     (``w8a8``: rows smoothed and quantized per row, int8 x int8; the codes stored (in, out), as
-    ``torch._int_mm`` takes them and inductor's int8 GEMM pattern wants them)."""
+    ``torch._int_mm`` takes them and inductor's int8 GEMM pattern wants them; with ``rows`` "uint8",
+    ``unsigned_rows_product``'s buffers instead)."""
 
-    def __init__(self, kind: str, out_features: int, in_features: int, bias: bool) -> None:
+    def __init__(self, kind: str, out_features: int, in_features: int, bias: bool, rows: str = "int8") -> None:
         super().__init__()
-        self.kind = kind
-        if kind == "w8a8":
+        self.kind, self.rows = kind, rows
+        if kind == "w8a8" and rows == "uint8":
+            self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int8))
+            self.register_buffer("scales", torch.ones(out_features))
+            self.register_buffer("smoothing", torch.ones(in_features))
+            self.register_buffer("zero_points", torch.zeros(out_features, dtype=torch.int64))
+        elif kind == "w8a8":
             self.register_buffer("codes_t", torch.zeros(in_features, out_features, dtype=torch.int8))
             self.register_buffer("scales", torch.ones(out_features))
             self.register_buffer("smoothing", torch.ones(in_features))
@@ -90,6 +121,9 @@ class Matrix(torch.nn.Module):
         self.bias = torch.nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "w8a8" and self.rows == "uint8":
+            y = unsigned_rows_product(x, self.weight, self.scales, self.zero_points, self.smoothing)
+            return y if self.bias is None else y + self.bias
         if self.kind == "w8a8":
             y = int8_rows_product(x, self.codes_t, self.scales, self.smoothing)
             return y if self.bias is None else y + self.bias
@@ -107,7 +141,7 @@ class _Before(torch.nn.Module):
         self.spec = spec
         n, k = spec.shapes()["qkv"]
         self.ln1 = torch.nn.Parameter(torch.ones(spec.hidden), requires_grad=False)
-        self.qkv = Matrix(spec.matrix_kind("qkv"), n, k, "qkv" in spec.biases)
+        self.qkv = Matrix(spec.matrix_kind("qkv"), n, k, "qkv" in spec.biases, spec.rows)
         if spec.qk_norm:
             self.qk_norm = torch.nn.Parameter(torch.ones(spec.heads + spec.kv_heads, spec.head_dim), requires_grad=False)
 
@@ -129,9 +163,9 @@ class _After(torch.nn.Module):
         super().__init__()
         self.spec = spec
         shapes = spec.shapes()
-        self.o = Matrix(spec.matrix_kind("o"), *shapes["o"], "o" in spec.biases)
+        self.o = Matrix(spec.matrix_kind("o"), *shapes["o"], "o" in spec.biases, spec.rows)
         self.ln2 = torch.nn.Parameter(torch.ones(spec.hidden), requires_grad=False)
-        self.gate_up = Matrix(spec.matrix_kind("gate_up"), *shapes["gate_up"], "gate_up" in spec.biases)
+        self.gate_up = Matrix(spec.matrix_kind("gate_up"), *shapes["gate_up"], "gate_up" in spec.biases, spec.rows)
         self.down = Matrix(spec.matrix_kind("down"), *shapes["down"], "down" in spec.biases)
 
     def forward(self, x: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
@@ -214,13 +248,28 @@ def _derived(name: str, value: torch.Tensor, params: dict[str, torch.Tensor]) ->
             return {"name": name, "source": source, "block": None, "dtype": dtype}
     if not value.any():
         return {"name": name, "zeros": list(value.shape), "block": None, "dtype": dtype}
+    for source, param in params.items():  # unsigned rows' zero point taken off: see _compensation
+        if source.endswith(".weight") and param.dtype == torch.int8 and param.shape[:1] == value.shape:
+            scales = params.get(source.removesuffix("weight") + "scales")
+            if scales is not None and torch.equal(_compensation(param, scales), value):
+                return {"name": name, "compensation": source, "block": None, "dtype": dtype}
     if value.dim() == 0:
         return {"name": name, "value": value.item(), "block": None, "dtype": dtype}
     return None
 
 
+def _compensation(weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """What inductor's int8 GEMM subtracts for unsigned rows' zero point: each output's weight sum
+    (exact in fp32: at most in_features x 127) times its scale times ROW_ZERO_POINT, in the order
+    inductor computes it at build (cpp_gemm_template's create_int8_compensation), so bit for bit."""
+    return weight.float().sum(1) * scales.float() * torch.tensor(ROW_ZERO_POINT, dtype=torch.int32)
+
+
 def _constants(plan: list[dict], params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     def constant(c: dict) -> torch.Tensor:
+        if "compensation" in c:
+            source = c["compensation"]
+            return _compensation(params[source], params[source.removesuffix("weight") + "scales"])
         if "zeros" in c:
             return torch.zeros(c["zeros"], dtype=getattr(torch, c["dtype"]))
         if "value" in c:
@@ -284,6 +333,8 @@ def _random_params(module: torch.nn.Module, generator: torch.Generator) -> dict[
     for name, value in list(module.named_parameters()) + list(module.named_buffers()):
         if value.dtype == torch.int8:
             new = torch.randint(-127, 128, value.shape, generator=generator, dtype=torch.int8)
+        elif name.endswith("zero_points"):  # the weight's: symmetric
+            new = torch.zeros_like(value)
         elif name.endswith("scales"):
             new = (torch.rand(value.shape, generator=generator) / 64 + 1 / 128).to(value.dtype)
         elif name.endswith("smoothing"):
@@ -394,13 +445,19 @@ def layer_spec(layer: FusedLayer, target) -> tuple[LayerSpec | None, str | None]
                      head_dim=target.head_dim, intermediate=matrices["down"].in_features if kind != "float32"
                      else matrices["down"].weight.shape[1], eps=target.eps,
                      biases=tuple(name for name, m in matrices.items() if m.bias is not None),
-                     qk_norm=layer.qk_norm is not None)
+                     qk_norm=layer.qk_norm is not None, rows=_w8a8_rows() if kind == "w8a8" else "int8")
     shapes = spec.shapes()
     for name, m in matrices.items():
         shape = tuple(m.kernel.shape) if kind != "float32" else tuple(m.weight.shape)
         if shape != shapes[name]:
             return None, f"the layer's {name} is {shape}, not the {shapes[name]} its shapes imply"
     return spec, None
+
+
+def _w8a8_rows() -> str:
+    from .aoti_kernels import w8a8_rows
+
+    return w8a8_rows()[0] or "int8"  # None: FastTarget runs such layers int8 weight-only instead
 
 
 def _layer_params(layer: FusedLayer, kind: str) -> dict[str, torch.Tensor]:
@@ -414,6 +471,7 @@ def _layer_params(layer: FusedLayer, kind: str) -> dict[str, torch.Tensor]:
             params[f"{name}.weight"] = m.kernel.q
             params[f"{name}.scales"] = m.kernel.scales
             params[f"{name}.smoothing"] = m.kernel.smoothing
+            params[f"{name}.zero_points"] = torch.zeros(m.kernel.q.shape[0], dtype=torch.int64)  # unsigned rows'
         elif kind in ("int8", "w8a8"):
             params[f"{name}.weight"] = m.kernel.q
             params[f"{name}.scales"] = m.kernel.scales.to(INT8_ROWS).contiguous()
@@ -462,4 +520,5 @@ def compiled_layers(target) -> tuple[list[CompiledLayer] | None, str]:
             if not close_to_rounding(after(x, attention), target.finish_layer(layer, x, attention), spec.kind):
                 return None, f"layer {i}'s compiled finish is not the eager one"
         out.append(CompiledLayer(**{f.name: getattr(layer, f.name) for f in fields(FusedLayer)}, before=before, after=after))
-    return out, f"{len(out)} of {len(layers)} decoder layers compiled whole around attention ({spec.kind} matrices)"
+    rows = ", rows unsigned" if spec.kind == "w8a8" and spec.rows == "uint8" else ""
+    return out, f"{len(out)} of {len(layers)} decoder layers compiled whole around attention ({spec.kind} matrices{rows})"

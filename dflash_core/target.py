@@ -258,10 +258,11 @@ class FastTarget:
         asked, missing = weights, None
         if weights == "w8a8" and kernels == "aoti" and self.device.type == "cpu":
             # Compiled int8 x int8 products through a reference loop run several times slower than
-            # the int8 weight-only kernels (docs/BENCHMARKS-AMD.md): those run instead.
-            from .aoti_kernels import int8_rows_gemm_missing
+            # the int8 weight-only kernels (docs/BENCHMARKS-AMD.md): those run instead where
+            # inductor has a vector kernel for neither signed nor unsigned rows.
+            from .aoti_kernels import w8a8_rows
 
-            missing = int8_rows_gemm_missing()
+            missing = w8a8_rows()[1]
             weights = "int8" if missing else weights
         if weights != "bf16":
             if asked == "w8a8" and calibration_ids is None:

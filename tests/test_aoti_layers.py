@@ -75,6 +75,53 @@ def test_constants_the_graph_made_from_the_parameters_are_told_apart_by_value():
                       {"name": "constant2", "source": "o.weight", "block": 16, "built_vnni": 2}]
 
 
+def test_unsigned_rows_zero_point_compensation_is_told_apart_and_rebuilt_bit_for_bit():
+    # With unsigned rows inductor's int8 GEMM takes the zero point off through a constant it
+    # computes from the weight at build: each output's weight sum x its scale x 128. The plan
+    # names it by the matrix it comes from, and each layer's is rebuilt from its own weights.
+    generator = torch.Generator().manual_seed(0)
+    params = {"o.weight": torch.randint(-127, 128, (24, 40), generator=generator, dtype=torch.int8),
+              "o.scales": torch.rand(24, generator=generator) / 64 + 1 / 128, "o.smoothing": torch.rand(40) + 0.5}
+    built = (params["o.weight"].t().float().sum(0) * (torch.tensor(1.0) * params["o.scales"])
+             * torch.tensor(aoti_layers.ROW_ZERO_POINT, dtype=torch.int32))  # inductor's order of operations
+    rule = aoti_layers._derived("w_BMatrixCompens", built, params)
+    assert rule == {"name": "w_BMatrixCompens", "compensation": "o.weight", "block": None, "dtype": "float32"}
+    other = {"o.weight": torch.randint(-127, 128, (24, 40), generator=generator, dtype=torch.int8),
+             "o.scales": torch.rand(24, generator=generator) / 64 + 1 / 128}
+    want = other["o.weight"].float().sum(1) * other["o.scales"] * aoti_layers.ROW_ZERO_POINT
+    assert torch.equal(aoti_layers._constants([rule], other)["w_BMatrixCompens"], want)
+    # Off by one code in one weight: no longer this matrix's compensation.
+    params["o.weight"][3, 5] += 1
+    assert aoti_layers._derived("w_BMatrixCompens", built, params) is None
+
+
+def test_unsigned_rows_give_the_signed_products():
+    # The product written as inductor's pattern for unsigned rows: w8a8's integer sums, rescaled.
+    from dflash_core.weight_formats import quantize_rows
+
+    generator = torch.Generator().manual_seed(1)
+    weight = torch.randint(-127, 128, (48, 64), generator=generator, dtype=torch.int8)
+    scales, smoothing = torch.rand(48, generator=generator) / 64 + 1 / 128, torch.rand(64, generator=generator) + 0.5
+    x = torch.randn(5, 64, generator=generator)
+    got = aoti_layers.unsigned_rows_product(x, weight, scales, torch.zeros(48, dtype=torch.int64), smoothing)
+    codes, row_scales = quantize_rows(x / smoothing)
+    want = ((codes.double() @ weight.double().t()) * row_scales.double() * scales.double()).float()
+    assert (got - want).norm() <= 1e-6 * want.norm()
+
+
+def test_a_spec_field_at_its_default_keeps_the_kernels_names():
+    # LayerSpec.rows came after kernels were built: at its default it leaves their names alone.
+    from dataclasses import asdict
+    import hashlib
+    import json
+
+    fields = asdict(SPEC)
+    del fields["rows"]
+    assert aoti_kernels.spec_digest(SPEC) == hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
+    unsigned = aoti_layers.LayerSpec(**{**asdict(SPEC), "kind": "w8a8", "rows": "uint8"})
+    assert aoti_kernels.spec_digest(unsigned) != aoti_kernels.spec_digest(aoti_layers.LayerSpec(**{**asdict(SPEC), "kind": "w8a8"}))
+
+
 def test_a_bf16_target_is_not_compiled():
     runner = FastTarget(tiny_target("llama", dtype=torch.bfloat16))
     spec, why = aoti_layers.layer_spec(runner.layers[0], runner)
@@ -106,15 +153,19 @@ def test_compiled_layers_are_the_eager_ones_and_lossless(weights, kernel_cache):
     calibration = torch.tensor([t for prompt in PROMPTS for t in prompt])  # w8a8's smoothing factors
     runner = FastTarget(model, weights=weights, kernels="aoti", calibration_ids=calibration)
     kind = "float32" if weights == "bf16" else weights
-    missing = aoti_kernels.int8_rows_gemm_missing()
+    rows, missing = aoti_kernels.w8a8_rows()
     if weights == "w8a8" and missing:
-        # inductor would run the int8 x int8 products through its reference loops here (an AVX-512
-        # CPU without AMX, AVX2): the int8 weight-only layers run instead, and the note says why
-        assert runner.weight_format == "int8" and missing.startswith("inductor has no int8 x int8 kernel")
+        # inductor would run the int8 x int8 products through its reference loops here (AVX2: no
+        # vector kernel for signed or unsigned rows): the int8 weight-only layers run instead,
+        # and the note says why
+        assert rows is None and missing.startswith("inductor has no int8 x int8 kernel")
+        assert missing.endswith("; none for unsigned rows either")
+        assert runner.weight_format == "int8"
         assert runner.weight_note.startswith(f"asked for w8a8, running int8 ({missing}): int8")
         kind = "int8"
     elif weights == "w8a8":
-        assert runner.weight_format == "w8a8"
+        # signed rows where inductor has a kernel for them (AMX), else unsigned ones (AVX-512 VNNI)
+        assert runner.weight_format == "w8a8" and rows == ("int8" if aoti_kernels.int8_rows_gemm_missing() is None else "uint8")
     if runner.kernels != "aoti":  # a CPU where the kernels' rows depend on their company: and why
         assert runner.kernel_note.startswith("asked for aoti, running oneDNN")
         return
@@ -125,7 +176,8 @@ def test_compiled_layers_are_the_eager_ones_and_lossless(weights, kernel_cache):
             in runner.kernel_note
         return
     head = "through the C++ GEMM" if kind == "float32" else "int8 through the int8 GEMM"
-    assert runner.kernel_note == (f"3 of 3 decoder layers compiled whole around attention ({kind} matrices); "
+    unsigned = ", rows unsigned" if kind == "w8a8" and rows == "uint8" else ""
+    assert runner.kernel_note == (f"3 of 3 decoder layers compiled whole around attention ({kind} matrices{unsigned}); "
                                   f"attention compiled; the LM head {head}")
     assert isinstance(runner.attention, aoti_attention.CompiledAttention)
     # The drafter reads the full-precision head whatever runs the target's.
