@@ -85,6 +85,26 @@ def llama_like(model: torch.nn.Module, seqs: list[torch.Tensor]) -> list[torch.T
             m.weight.data, m.forward = weight, forward
 
 
+@torch.inference_mode()
+def lm_head_as(runner: FastTarget, fmt: str, calibration: torch.Tensor):
+    """``runner``'s LM head as ``fmt``: "int8" weight-only (what the aoti pairs run), or "w8a8"
+    (rows quantized per row after smoothing factors from the final norm's outputs on the
+    calibration text, as the layers' matrices)."""
+    weight = runner.lm_head_weight.float()
+    if fmt == "int8":
+        return weight_formats.QuantizedLinear(weight_formats.Int8Weight(weight, runner.dtype))
+    seen = []
+    head = runner._lm_head
+    runner._lm_head = lambda x: seen.append(x.detach().abs().reshape(-1, x.shape[-1]).amax(0).float()) or head(x)
+    try:
+        runner.reset(len(calibration) + 16)
+        runner.forward(calibration, None)
+    finally:
+        runner._lm_head = head
+    smoothing = weight_formats.smoothing_factors(torch.stack(seen).amax(0), weight)
+    return weight_formats.QuantizedLinear(weight_formats.DynamicInt8Weight(weight, smoothing))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pair", default="smollm2-135m")
@@ -93,6 +113,7 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=384)
     parser.add_argument("--alphas", default="", help="w8a8 again at each of these SmoothQuant alphas")
     parser.add_argument("--llama-like", action="store_true")
+    parser.add_argument("--heads", default="", help="w8a8 again with the LM head in each of these formats (int8, w8a8)")
     parser.add_argument("--out", default="runs/weight_quality")
     args = parser.parse_args()
     torch.set_num_threads(2)
@@ -117,6 +138,12 @@ def main() -> None:
             weight_formats.SMOOTHING_ALPHA = engine_alpha
         results[f"w8a8 alpha {alpha}"] = compare(reference, logits_of(runner, seqs))
         print(f"w8a8 alpha {alpha}", results[f"w8a8 alpha {alpha}"], flush=True)
+    for head in [h for h in args.heads.split(",") if h]:
+        # w8a8 with the LM head run as ``head`` too (the eager w8a8 target's head is fp32)
+        runner = FastTarget(loaded.model, "w8a8", calibration_ids=calibration)
+        runner._lm_head = lm_head_as(runner, head, calibration)
+        results[f"w8a8, LM head {head}"] = compare(reference, logits_of(runner, seqs))
+        print(f"w8a8, LM head {head}", results[f"w8a8, LM head {head}"], flush=True)
     if args.llama_like:
         results["llama.cpp-like (int8 rows in blocks of 32, simulated)"] = compare(reference, llama_like(loaded.model, seqs))
         print("llama-like", results["llama.cpp-like (int8 rows in blocks of 32, simulated)"], flush=True)
