@@ -2,7 +2,7 @@
 cites for ``weights = "int8"`` and ``"w8a8"``.
 
     python scripts/weight_quality.py [--pair smollm2-135m] [--formats bf16,int8,w8a8] [--sequences 24]
-                                     [--alphas 0.3,0.5,0.7,0.9] [--llama-like]
+                                     [--alphas 0.3,0.5,0.7,0.9] [--llama-like] [--down-rows] [--heads int8,w8a8]
 
 Teacher-forced over prompt + answer sequences from the newest committed answer shard (the
 target's own answers to training prompts: never HumanEval, nor the held-out set), each format
@@ -10,7 +10,9 @@ runs the engine's own eager kernels (``FastTarget`` with ``weights = FORMAT``, t
 loaded in fp32) and is compared, position by position, with the fp32 target: how often the
 greedy choice agrees, and the mean KL divergence of the next-token distributions
 (KL(fp32 || format)). ``--alphas 0.5,0.7`` measures w8a8 again at each SmoothQuant alpha
-(``weight_formats.SMOOTHING_ALPHA``, its default being the engine's). ``--llama-like`` adds a simulation of llama.cpp's own activation rounding
+(``weight_formats.SMOOTHING_ALPHA``, its default being the engine's). ``--down-rows`` measures w8a8
+with the MLP's down projection's rows quantized too, ``--heads int8,w8a8`` with the LM head run each
+way (what-ifs behind the engine's choices: docs/BENCHMARKS-AMD.md). ``--llama-like`` adds a simulation of llama.cpp's own activation rounding
 (int8 weights per channel, rows rounded to int8 in blocks of 32, as its Q8 matrix products do)
 for scale: not an engine format, plain PyTorch math on the same weights.
 """
@@ -29,6 +31,7 @@ import torch.nn.functional as F
 from dflash_core.loading import load_target
 from dflash_core.registry import load_registry
 from dflash_core.target import FastTarget
+from dflash_core import target as target_module
 from dflash_core import weight_formats
 from dflash_core.weight_formats import calibration_ids
 
@@ -113,6 +116,7 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=384)
     parser.add_argument("--alphas", default="", help="w8a8 again at each of these SmoothQuant alphas")
     parser.add_argument("--llama-like", action="store_true")
+    parser.add_argument("--down-rows", action="store_true", help="w8a8 again with the MLP's down projection's rows in int8 too")
     parser.add_argument("--heads", default="", help="w8a8 again with the LM head in each of these formats (int8, w8a8)")
     parser.add_argument("--out", default="runs/weight_quality")
     args = parser.parse_args()
@@ -138,6 +142,17 @@ def main() -> None:
             weight_formats.SMOOTHING_ALPHA = engine_alpha
         results[f"w8a8 alpha {alpha}"] = compare(reference, logits_of(runner, seqs))
         print(f"w8a8 alpha {alpha}", results[f"w8a8 alpha {alpha}"], flush=True)
+    if args.down_rows:
+        # w8a8 with down's rows quantized too (a what-if: the engine keeps down weight-only)
+        all_four = ("qkv", "o", "gate_up", "down")
+        saved = weight_formats.DYNAMIC_MATRICES, target_module.DYNAMIC_MATRICES
+        weight_formats.DYNAMIC_MATRICES = target_module.DYNAMIC_MATRICES = all_four
+        try:
+            runner = FastTarget(loaded.model, "w8a8", calibration_ids=calibration)
+        finally:
+            weight_formats.DYNAMIC_MATRICES, target_module.DYNAMIC_MATRICES = saved
+        results["w8a8, down's rows int8 too"] = compare(reference, logits_of(runner, seqs))
+        print("w8a8, down's rows int8 too", results["w8a8, down's rows int8 too"], flush=True)
     for head in [h for h in args.heads.split(",") if h]:
         # w8a8 with the LM head run as ``head`` too (the eager w8a8 target's head is fp32)
         runner = FastTarget(loaded.model, "w8a8", calibration_ids=calibration)
