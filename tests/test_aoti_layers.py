@@ -109,6 +109,19 @@ def test_unsigned_rows_give_the_signed_products():
     assert (got - want).norm() <= 1e-6 * want.norm()
 
 
+@pytest.mark.parametrize("signed, unsigned, want", [
+    (True, True, ("int8", None)),  # AMX
+    (False, True, ("uint8", None)),  # AVX-512 VNNI without AMX
+    (None, False, ("int8", None)),  # an inductor that cannot say: the build and the probes decide
+    (False, False, (None, "inductor has no int8 x int8 kernel for this CPU (avx2), only its reference loops; "
+                          "none for unsigned rows either")),  # AVX2
+])
+def test_w8a8_rows_follow_inductors_table_of_kernels(monkeypatch, signed, unsigned, want):
+    table = {torch.int8: (signed, "avx2"), torch.uint8: (unsigned, "avx2")}
+    monkeypatch.setattr(aoti_kernels, "_int8_micro_gemm", lambda rows: table[rows])
+    assert aoti_kernels.w8a8_rows() == want
+
+
 def test_a_spec_field_at_its_default_keeps_the_kernels_names():
     # LayerSpec.rows came after kernels were built: at its default it leaves their names alone.
     from dataclasses import asdict
