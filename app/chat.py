@@ -79,8 +79,7 @@ def speedup_sentence(dflash: RunRecord | None, ar: RunRecord | None, same: bool 
     rate; with the lossless check when there is one."""
     if dflash is None or ar is None or dflash.tokens_per_s is None or ar.tokens_per_s is None:
         return ""
-    sentence = (f"{dflash.tokens_per_s / ar.tokens_per_s:.2f}× faster than the target alone "
-                f"({dflash.tokens_per_s:.1f} vs {ar.tokens_per_s:.1f} tok/s)")
+    sentence = " ".join(render.speedup_parts(dflash.tokens_per_s, ar.tokens_per_s))
     if same is not None:
         sentence += " · identical output ✓" if same else " · outputs differ"
     return sentence

@@ -132,14 +132,25 @@ def counters_html(run: RunRecord | None, label: str, run_id: int | None = None) 
 def speedup_html(dflash: RunRecord | None, ar: RunRecord | None, same_text: bool | None, variant: str = "") -> str:
     if dflash is None or ar is None or dflash.tokens_per_s is None or ar.tokens_per_s is None:
         return '<div class="dfs-speedup">Speedup appears when both runs have finished.</div>'
-    ratio = dflash.tokens_per_s / ar.tokens_per_s
     check = ""
     if same_text is not None:
         check = ("identical output ✓" if same_text else
                  "outputs differ (sampling, or a numerical near-tie in this dtype)")
     ran = f" · variant: {_esc(variant)}" if variant else ""
-    return (f'<div class="dfs-speedup"><b>{ratio:.2f}×</b> faster than the target alone '
-            f"({dflash.tokens_per_s:.1f} vs {ar.tokens_per_s:.1f} tok/s) · {_esc(check)}{ran}</div>")
+    ratio, words = speedup_parts(dflash.tokens_per_s, ar.tokens_per_s)
+    return f'<div class="dfs-speedup"><b>{ratio}</b> {_esc(words)} · {_esc(check)}{ran}</div>'
+
+
+def speedup_parts(dflash_tokens_per_s: float, ar_tokens_per_s: float) -> tuple[str, str]:
+    """DFlash's rate against the target alone's as the page and the chat say it, the ratio apart
+    (the page sets it in bold): ("1.93×", "faster than the target alone (x vs y tok/s)"), or where
+    DFlash was the slower, ("0.48×", "the speed of the target alone (x vs y tok/s): slower here"),
+    never "0.48× faster"."""
+    ratio = f"{dflash_tokens_per_s / ar_tokens_per_s:.2f}×"
+    rates = f"({dflash_tokens_per_s:.1f} vs {ar_tokens_per_s:.1f} tok/s)"
+    if float(ratio[:-1]) >= 1:
+        return ratio, f"faster than the target alone {rates}"
+    return ratio, f"the speed of the target alone {rates}: slower here"
 
 
 TIMING_NOTE = (

@@ -30,7 +30,7 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SPEEDUP = re.compile(r"([\d.]+)×\s*faster than the target alone \(([\d.]+) vs ([\d.]+) tok/s\)")
+SPEEDUP = re.compile(r"([\d.]+)×\s*(?:faster than|the speed of) the target alone \(([\d.]+) vs ([\d.]+) tok/s\)")
 CLI_FLAGS = {"fastest": ["--tree", "--lookup", "--adaptive"], "plain": []}
 
 

@@ -38,6 +38,24 @@ def test_the_queue_looks_for_work_every_20_ms_not_every_millisecond():
     assert demo._queue.max_size == 8
 
 
+def test_the_speedup_says_slower_when_dflash_was_slower():
+    # A verify pass dearer than the drafts it keeps (a CPU's plain DFlash with a weak drafter):
+    # the page and the chat must not say "0.48× faster".
+    from app import chat, render
+    from app.recording import RunRecord
+
+    assert render.speedup_parts(163.79, 84.95) == ("1.93×", "faster than the target alone (163.8 vs 85.0 tok/s)")
+    assert render.speedup_parts(40.62, 92.63) == ("0.44×", "the speed of the target alone (40.6 vs 92.6 tok/s): slower here")
+    assert render.speedup_parts(99.8, 100.0)[1].startswith("faster")  # 1.00× when rounded: not "slower"
+    # 41 tokens: 40 after the first, decoded in 40 / 40.62 s (DFlash) and 40 / 92.63 s (AR)
+    dflash, ar = (RunRecord(mode, token_ids=list(range(41)), first_token_s=0.0, elapsed_s=40 / rate)
+                  for mode, rate in (("dflash", 40.62), ("ar", 92.63)))
+    assert "<b>0.44×</b> the speed of the target alone (40.6 vs 92.6 tok/s): slower here · identical output ✓" in \
+        render.speedup_html(dflash, ar, True)
+    assert chat.speedup_sentence(dflash, ar, True) == \
+        "0.44× the speed of the target alone (40.6 vs 92.6 tok/s): slower here · identical output ✓"
+
+
 def test_binds_loopback_only(app_server):
     import psutil
 
@@ -176,7 +194,7 @@ def test_real_browser_runs_a_generation_and_shows_coloured_tokens_and_plots(app_
         for chart in CHARTS:
             page.wait_for_selector(f"#dfs-plot-{chart.name} .js-plotly-plot g.trace", timeout=30_000)
         speedup = page.locator("#dfs-speedup").inner_text()
-        assert re.search(r"[\d.]+× faster than the target alone \([\d.]+ vs [\d.]+ tok/s\)", speedup), speedup
+        assert re.search(r"[\d.]+× (?:faster than|the speed of) the target alone \([\d.]+ vs [\d.]+ tok/s\)(?:: slower here)?", speedup), speedup
         assert "identical output" in speedup
         assert "tree of" in page.locator("#dfs-log").inner_text()
         title = page.locator("#dfs-dflash .tok").first.get_attribute("title")
