@@ -84,7 +84,7 @@ def unsigned_rows_product(x: torch.Tensor, weight: torch.Tensor, scales: torch.T
     its int8 GEMM with unsigned rows. The weight must be a buffer of its own, not a view of the
     (in, out) codes: inductor packs a transposed view as if it were not (wrong sums, torch 2.13);
     and ``zero_points`` a buffer, so that the GEMM sees the weight's zero points as constants."""
-    import torch.ao.quantization.fx._decomposed  # noqa: F401  (registers torch.ops.quantized_decomposed; a second)
+    import torch.ao.quantization.fx._decomposed  # noqa: F401  (registers torch.ops.quantized_decomposed; ~1 s, so here)
 
     codes, row_scales = quantize_rows(x.float() / smoothing)
     q = torch.ops.quantized_decomposed
