@@ -19,7 +19,7 @@ layers) runs the eager layer, as does any call after the drafter's weights have 
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -43,6 +43,7 @@ class DrafterSpec:
     kv_heads: int
     head_dim: int
     eps: float
+    rows: str = field(default="int8", metadata={"omitted_at_default": True})  # w8a8's rows: see aoti_layers.LayerSpec
 
     def qkv(self) -> tuple[int, int]:
         return ((self.heads + 2 * self.kv_heads) * self.head_dim, self.hidden)
@@ -62,7 +63,7 @@ class _DrafterBefore(torch.nn.Module):
         super().__init__()
         self.spec = spec
         self.ln1 = torch.nn.Parameter(torch.ones(spec.hidden), requires_grad=False)
-        self.qkv = Matrix(spec.kind, *spec.qkv(), False)
+        self.qkv = Matrix(spec.kind, *spec.qkv(), False, spec.rows)
         self.q_norm = torch.nn.Parameter(torch.ones(spec.head_dim), requires_grad=False)
         self.k_norm = torch.nn.Parameter(torch.ones(spec.head_dim), requires_grad=False)
 
@@ -101,10 +102,18 @@ def before_library(spec: DrafterSpec) -> tuple[Path, dict]:
 
 
 def _matrix(weight: torch.Tensor, kind: str, name: str) -> dict[str, torch.Tensor]:
-    """A matrix's kernel parameters: fp32 as is, or int8 codes with one scale per output row."""
+    """A matrix's kernel parameters: fp32 as is, int8 codes with one scale per output row, or
+    (w8a8's qkv, o and gate/up) ``DynamicInt8Weight``'s, in both layouts its rows' forms read."""
     if kind == "float32":
         return {f"{name}.weight": weight.contiguous()}
-    from .weight_formats import Int8Weight
+    from .weight_formats import DYNAMIC_MATRICES, DynamicInt8Weight, Int8Weight
+
+    if kind == "w8a8" and name in DYNAMIC_MATRICES:
+        # rows quantized per row, without smoothing factors: a drafter's rounding moves acceptance
+        # only (docs/BENCHMARKS-AMD.md measured it), and it has no calibration pass of its own
+        w = DynamicInt8Weight(weight)
+        return {f"{name}.weight": w.q, f"{name}.codes_t": w.q_t, f"{name}.scales": w.scales,
+                f"{name}.smoothing": w.smoothing, f"{name}.zero_points": torch.zeros(w.q.shape[0], dtype=torch.int64)}
 
     int8 = Int8Weight(weight, INT8_ROWS)
     return {f"{name}.weight": int8.q, f"{name}.scales": int8.scales.contiguous()}
@@ -139,13 +148,13 @@ class CompiledDrafterLayer:
         return self.after(x[0], out[0].transpose(0, 1).reshape(rows, -1))[None]
 
 
-def _spec(layer, kind: str) -> tuple[DrafterSpec, LayerSpec]:
+def _spec(layer, kind: str, rows: str = "int8") -> tuple[DrafterSpec, LayerSpec]:
     attn, mlp = layer.self_attn, layer.mlp
     hidden = attn.q_proj.in_features
     before = DrafterSpec(kind=kind, hidden=hidden, heads=attn.num_heads, kv_heads=attn.num_kv_heads,
-                         head_dim=attn.head_dim, eps=float(layer.input_layernorm.eps))
+                         head_dim=attn.head_dim, eps=float(layer.input_layernorm.eps), rows=rows)
     after = LayerSpec(kind=kind, hidden=hidden, heads=attn.num_heads, kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
-                      intermediate=mlp.down_proj.in_features, eps=float(layer.post_attention_layernorm.eps))
+                      intermediate=mlp.down_proj.in_features, eps=float(layer.post_attention_layernorm.eps), rows=rows)
     return before, after
 
 
@@ -167,6 +176,13 @@ def _rotary(positions: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tens
     return angles.cos(), angles.sin()
 
 
+# How far a w8a8 layer may stray from the eager one (int8 weight-only, rows in bf16), relative to
+# what the layer adds to its residual: rows rounded to int8 per row without smoothing factors move
+# it a few percent (3.6% for the bundled SmolLM2 drafter's first layer on the probe's rows); a
+# constant in the wrong place moves it by about its own size. The target verifies every draft.
+W8A8_TOLERANCE = 0.1
+
+
 def _probe(layer, compiled: CompiledDrafterLayer, kind: str) -> bool:
     """The compiled layer against the eager one (as it runs: its matrices through the kernels
     ``drafter_kernels`` gave them) on random rows: a decode pass's call twice, the prompt's context
@@ -182,27 +198,38 @@ def _probe(layer, compiled: CompiledDrafterLayer, kind: str) -> bool:
             rope_context = _rotary(torch.arange(first, first + context_rows), dim)
             want = layer(x, context, rope_block, rope_context, None, caches[0], 0)
             got = compiled(x, context, rope_block, rope_context, caches[1], 0, None)
-            if not close_to_rounding(got - x, want - x, kind):
+            if kind == "w8a8":
+                if (got - want).norm() > W8A8_TOLERANCE * (want - x).norm():
+                    return False
+            elif not close_to_rounding(got - x, want - x, kind):
                 return False
     return True
 
 
-def compile_drafter_layers(drafter, int8: bool) -> str:
+def compile_drafter_layers(drafter, kind: str) -> str:
     """Each of ``drafter``'s layers with its decode passes compiled (``DrafterLayer.compiled``),
-    and a note for the load log; where the switch, the drafter, a build or the probe refuses, the
-    layers stay eager and the note says why. Call it after ``aoti_kernels.drafter_kernels``: the
-    probe compares with the layers as they then run (int8 matrices round as the kernels do)."""
+    its matrices ``kind`` ("float32", "int8" weight-only, or "w8a8": rows in int8 too, as the
+    target's w8a8 layers run them here, ``aoti_kernels.w8a8_rows``; int8 where inductor has no
+    kernel for them), and a note for the load log; where the switch, the drafter, a build or the
+    probe refuses, the layers stay eager and the note says why. Call it after
+    ``aoti_kernels.drafter_kernels``: the probe compares with the layers as they then run (int8
+    matrices round as the kernels do)."""
     if os.environ.get(SWITCH, "1") == "0":
         return f"layers eager (turned off, {SWITCH}=0)"
     params = list(drafter.parameters())
     if not available() or any(p.device.type != "cpu" or p.dtype != torch.float32 for p in params):
         return "layers eager (compiled for fp32 drafters on CPU with a compiler)"
-    kind = "int8" if int8 else "float32"
+    rows = "int8"
+    if kind == "w8a8":
+        from .aoti_kernels import w8a8_rows
+
+        rows = w8a8_rows()[0] or "int8"
+        kind = "w8a8" if w8a8_rows()[0] else "int8"
     done = 0
     for i, layer in enumerate(drafter.layers):
         if not layer.self_attn.spec.plain or layer.self_attn.q_proj.bias is not None:
             continue
-        before_spec, after_spec = _spec(layer, kind)
+        before_spec, after_spec = _spec(layer, kind, rows)
         try:
             before_params, after_params = _params(layer, kind)
             compiled = CompiledDrafterLayer(layer, CompiledHalf(*before_library(before_spec), before_params),
@@ -213,4 +240,5 @@ def compile_drafter_layers(drafter, int8: bool) -> str:
             return f"layers eager (layer {i}'s compiled pass is not the eager one)"
         layer.compiled = compiled
         done += 1
-    return f"{done} of {len(drafter.layers)} layers compiled whole around attention ({kind} matrices)"
+    unsigned = ", rows unsigned" if kind == "w8a8" and rows == "uint8" else ""
+    return f"{done} of {len(drafter.layers)} layers compiled whole around attention ({kind} matrices{unsigned})"

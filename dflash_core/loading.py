@@ -352,9 +352,12 @@ def load_drafter(
         from .aoti_drafter import compile_drafter_layers
         from .aoti_kernels import drafter_kernels
 
-        int8 = getattr(runner, "weight_format", "bf16") in ("int8", "w8a8")  # the drafter's matrices: weight-only int8
+        weights = getattr(runner, "weight_format", "bf16")
+        int8 = weights in ("int8", "w8a8")  # the drafter's matrices: weight-only int8
         matrices = drafter_kernels(drafter, int8)  # first: the compiled layers' probe compares with these
-        _say(progress, f"Drafter kernels: {matrices}; {compile_drafter_layers(drafter, int8)}")
+        # its compiled layers as the target's: w8a8's rows in int8 too (a drafter's rounding moves acceptance only)
+        layers = compile_drafter_layers(drafter, "w8a8" if weights == "w8a8" else "int8" if int8 else "float32")
+        _say(progress, f"Drafter kernels: {matrices}; {layers}")
     return drafter
 
 
