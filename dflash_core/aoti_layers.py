@@ -321,10 +321,10 @@ def with_row_major_codes(params: dict[str, torch.Tensor]) -> dict[str, torch.Ten
                      for name, value in params.items() if name.endswith("codes_t")}
 
 
-def close_to_rounding(got: torch.Tensor, want: torch.Tensor, kind: str) -> bool:
-    """To rounding: fp32's for fp32 matrices; bf16 rows' for int8 ones. A constant in the wrong
-    place is off by the size of the results themselves."""
-    tolerance = 1e-4 if kind == "float32" else 2e-2
+def close_to_rounding(got: torch.Tensor, want: torch.Tensor, kind: str, tolerance: float | None = None) -> bool:
+    """To rounding (relative, ``tolerance`` unless given): fp32's for fp32 matrices; bf16 rows'
+    for int8 ones. A constant in the wrong place is off by the size of the results themselves."""
+    tolerance = tolerance if tolerance is not None else 1e-4 if kind == "float32" else 2e-2
     return bool((got.float() - want.float()).norm() <= tolerance * want.float().norm())
 
 
@@ -460,6 +460,13 @@ def _w8a8_rows() -> str:
     return w8a8_rows()[0] or "int8"  # None: FastTarget runs such layers int8 weight-only instead
 
 
+def w8a8_params(name: str, kernel) -> dict[str, torch.Tensor]:
+    """A ``DynamicInt8Weight``'s tensors as the ``Matrix`` called ``name`` holds them, for signed
+    rows (the (in, out) codes) or unsigned ones (the (out, in) codes and their zero points)."""
+    return {f"{name}.codes_t": kernel.q_t, f"{name}.weight": kernel.q, f"{name}.scales": kernel.scales,
+            f"{name}.smoothing": kernel.smoothing, f"{name}.zero_points": torch.zeros(kernel.q.shape[0], dtype=torch.int64)}
+
+
 def _layer_params(layer: FusedLayer, kind: str) -> dict[str, torch.Tensor]:
     params: dict[str, torch.Tensor] = {"ln1": layer.ln1, "ln2": layer.ln2}
     if layer.qk_norm is not None:
@@ -467,11 +474,7 @@ def _layer_params(layer: FusedLayer, kind: str) -> dict[str, torch.Tensor]:
     for name in ("qkv", "o", "gate_up", "down"):
         m = getattr(layer, name)
         if kind == "w8a8" and name in DYNAMIC_MATRICES:
-            params[f"{name}.codes_t"] = m.kernel.q_t
-            params[f"{name}.weight"] = m.kernel.q
-            params[f"{name}.scales"] = m.kernel.scales
-            params[f"{name}.smoothing"] = m.kernel.smoothing
-            params[f"{name}.zero_points"] = torch.zeros(m.kernel.q.shape[0], dtype=torch.int64)  # unsigned rows'
+            params |= w8a8_params(name, m.kernel)
         elif kind in ("int8", "w8a8"):
             params[f"{name}.weight"] = m.kernel.q
             params[f"{name}.scales"] = m.kernel.scales.to(INT8_ROWS).contiguous()

@@ -3,11 +3,11 @@ unsigned int8 (zero point 128), and int8 weight-only (rows in bf16), each compil
 
     python scripts/int8_row_kernels.py [--out-features 3072] [--in-features 576] [--rows 2,16]
 
-``w8a8``'s compiled layers hand inductor signed int8 rows (``weight_formats.int8_rows_product``);
-inductor's table of micro-kernels has a vector kernel for those on AMX only, and on AVX-512 VNNI
-(an EPYC Zen 4) for unsigned rows only: signed rows there run its reference loops, so the engine
-runs such a CPU's w8a8 pair as int8 weight-only (``aoti_kernels.int8_rows_gemm_missing``). This
-measures what unsigned rows would gain there: each form written as PyTorch's quantized-linear
+Inductor's table of micro-kernels has a vector kernel for int8 x int8 products with signed rows
+on AMX only, and on AVX-512 VNNI (an EPYC Zen 4) for unsigned rows only: signed rows there run its
+reference loops. This measured what unsigned rows would gain there, before ``w8a8``'s compiled
+layers took them (``aoti_kernels.w8a8_rows``, ``aoti_layers.unsigned_rows_product``, whose
+quantization pattern the unsigned form here shares): each form written as PyTorch's quantized-linear
 pattern (rows dequantized per tensor, the weight per channel; inductor's freezing passes turn it
 into its int8 GEMM), ``torch.compile`` with frozen weights and ``max_autotune``, the number of rows
 dynamic. Prints microseconds per call (median of 5 rounds) beside the eager module's, whether a
