@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 import re
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from .aoti_kernels import (INT8_ROWS, VNNI_CANDIDATES, blocked, cached, compile_shared_object, install, kernel_dir,
                            load_runner, spec_digest, swap_in)
 from .families import FusedLayer
+from .int8_dot import int8_dot_weight
 from .kernels import probe_rows
 from .weight_formats import DYNAMIC_MATRICES, int8_rows_product, quantize_rows
 
@@ -54,6 +55,11 @@ class LayerSpec:
     # w8a8's quantized rows as inductor's int8 GEMM takes them (aoti_kernels.w8a8_rows): "int8", or
     # "uint8" (the codes plus ROW_ZERO_POINT)
     rows: str = field(default="int8", metadata={"omitted_at_default": True})
+    # The weight-only int8 ``down`` left out of the compiled half and run by ``int8_dot`` on the
+    # half's outputs (x after attention, SiLU(gate) x up), the residual added in its pass: on
+    # AVX512-BF16 CPUs without AMX its bf16 dot products make a verify block's ``down`` several
+    # times cheaper than inductor's int8 GEMM (int8_dot's docstring)
+    down_apart: bool = field(default=False, metadata={"omitted_at_default": True})
 
     def matrix_kind(self, name: str) -> str:
         """How matrix ``name`` runs: w8a8 layers keep ``down`` weight-only int8 (weight_formats.DYNAMIC_MATRICES)."""
@@ -166,11 +172,14 @@ class _After(torch.nn.Module):
         self.o = Matrix(spec.matrix_kind("o"), *shapes["o"], "o" in spec.biases, spec.rows)
         self.ln2 = torch.nn.Parameter(torch.ones(spec.hidden), requires_grad=False)
         self.gate_up = Matrix(spec.matrix_kind("gate_up"), *shapes["gate_up"], "gate_up" in spec.biases, spec.rows)
-        self.down = Matrix(spec.matrix_kind("down"), *shapes["down"], "down" in spec.biases)
+        if not spec.down_apart:
+            self.down = Matrix(spec.matrix_kind("down"), *shapes["down"], "down" in spec.biases)
 
-    def forward(self, x: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attention: torch.Tensor):
         x = x + self.o(attention)
         gate, up = self.gate_up(rms_norm(x, self.ln2, self.spec.eps)).chunk(2, dim=-1)
+        if self.spec.down_apart:  # int8_dot takes its rows in bf16, as inductor's int8 GEMM rounds them
+            return x, (F.silu(gate) * up).to(torch.bfloat16)
         return x + self.down(F.silu(gate) * up)
 
 
@@ -199,7 +208,7 @@ def _constants_of(source: str) -> dict[str, tuple[int, ...]]:
 def _matrices(spec: LayerSpec, half: str) -> dict[str, tuple[int, int]]:
     """The matrices of a layer half of ``spec``, name -> (out, in) features."""
     shapes = spec.shapes()
-    return {m: shapes[m] for m in MATRICES[half]}
+    return {m: shapes[m] for m in MATRICES[half] if not (m == "down" and spec.down_apart)}
 
 
 def _assign(spec: LayerSpec, half: str, declared: dict[str, tuple[int, ...]], fqns: dict[str, str]) -> list[dict]:
@@ -398,6 +407,8 @@ def build_kernel(module: torch.nn.Module, example: Callable[..., tuple], matrice
 def layer_library(spec: LayerSpec, half: str) -> tuple[Path, dict]:
     """The compiled ``half`` ("before" or "after" attention) for layers of ``spec``, built here
     first if the cache lacks it."""
+    if half == "before":  # the first half is the same with down apart or not
+        spec = replace(spec, down_apart=False)
     library = kernel_dir() / f"layer-{half}-{spec.kind}-{spec_digest(spec)}.so"
     return cached(library, lambda path: _build(spec, half, path))
 
@@ -413,6 +424,18 @@ class CompiledHalf:
     def __call__(self, *inputs: torch.Tensor):
         out = self.runner.run([t.contiguous() for t in inputs])
         return out[0] if len(out) == 1 else tuple(out)
+
+
+class HalfThenDown:
+    """A compiled second half without ``down`` (``LayerSpec.down_apart``), then ``down`` through
+    ``int8_dot`` with the residual added in its pass: called as the whole half is."""
+
+    def __init__(self, half: CompiledHalf, down) -> None:
+        self.half, self.down = half, down
+
+    def __call__(self, x: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
+        residual, act = self.half.runner.run([x.contiguous(), attention.contiguous()])  # contiguous outputs
+        return self.down.rows(act if act.dtype == torch.bfloat16 else act.to(torch.bfloat16), residual)
 
 
 @dataclass
@@ -445,13 +468,20 @@ def layer_spec(layer: FusedLayer, target) -> tuple[LayerSpec | None, str | None]
                      head_dim=target.head_dim, intermediate=matrices["down"].in_features if kind != "float32"
                      else matrices["down"].weight.shape[1], eps=target.eps,
                      biases=tuple(name for name, m in matrices.items() if m.bias is not None),
-                     qk_norm=layer.qk_norm is not None, rows=_w8a8_rows() if kind == "w8a8" else "int8")
+                     qk_norm=layer.qk_norm is not None, rows=_w8a8_rows() if kind == "w8a8" else "int8",
+                     down_apart=kind in ("int8", "w8a8") and matrices["down"].bias is None and _int8_dot_runs())
     shapes = spec.shapes()
     for name, m in matrices.items():
         shape = tuple(m.kernel.shape) if kind != "float32" else tuple(m.weight.shape)
         if shape != shapes[name]:
             return None, f"the layer's {name} is {shape}, not the {shapes[name]} its shapes imply"
     return spec, None
+
+
+def _int8_dot_runs() -> bool:
+    from .int8_dot import unavailable
+
+    return unavailable() is None
 
 
 def _w8a8_rows() -> str:
@@ -516,6 +546,11 @@ def compiled_layers(target) -> tuple[list[CompiledLayer] | None, str]:
             return None, f"layer {i} differs from layer 0 ({why or other})"
         params = _layer_params(layer, spec.kind)
         before, after = (CompiledHalf(*libraries[half], params) for half in MATRICES)
+        if spec.down_apart:
+            down, why = int8_dot_weight(layer.down.kernel)
+            if down is None:
+                return None, f"layer {i}'s down through int8_dot: {why}"
+            after = HalfThenDown(after, down)
         with torch.inference_mode():
             eager_before = target.attention_inputs(layer, x, cos, sin)
             if not all(close_to_rounding(g, w, spec.kind) for g, w in zip(before(x, cos, sin), eager_before)):
@@ -524,4 +559,5 @@ def compiled_layers(target) -> tuple[list[CompiledLayer] | None, str]:
                 return None, f"layer {i}'s compiled finish is not the eager one"
         out.append(CompiledLayer(**{f.name: getattr(layer, f.name) for f in fields(FusedLayer)}, before=before, after=after))
     rows = ", rows unsigned" if spec.kind == "w8a8" and spec.rows == "uint8" else ""
+    rows += ", down through bf16 dot products" if spec.down_apart else ""
     return out, f"{len(out)} of {len(layers)} decoder layers compiled whole around attention ({spec.kind} matrices{rows})"

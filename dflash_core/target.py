@@ -40,8 +40,9 @@ from .aoti_attention import MIN_CALL_ROWS, eager_attention
 from .aoti_kernels import KERNELS
 from .kernels import padded_rows
 from . import cuda_graphs
-from .aoti_layers import CompiledLayer
+from .aoti_layers import CompiledLayer, HalfThenDown
 from .families import ADAPTERS, FusedLayer, fast_path_reason
+from .int8_dot import Int8DotWeight, int8_dot_weight
 from .kv_cache import KVCache, round_capacity
 from .rollback import CacheRollback
 from .tree import DraftTree
@@ -315,7 +316,8 @@ class FastTarget:
         compiled, layers_note = aoti_layers.compiled_layers(self)
         head_why = self._aoti_head(aoti_kernels)
         head_note = "the LM head " + (f"on oneDNN ({head_why})" if head_why else
-                                      "int8 through the int8 GEMM" if self.weight_format in ("int8", "w8a8")
+                                      "int8 through bf16 dot products" if isinstance(getattr(self._lm_head, "kernel", None), Int8DotWeight)
+                                      else "int8 through the int8 GEMM" if self.weight_format in ("int8", "w8a8")
                                       else "through the C++ GEMM")
         if compiled is not None:
             self.layers, self.compiled_layers = compiled, True
@@ -351,7 +353,9 @@ class FastTarget:
         """The LM head through the C++ GEMM (the int8 one where the layers run int8: the head's
         113 MB in fp32 was then a step's largest read); why not, where it stays as it was."""
         if self.weight_format in ("int8", "w8a8"):
-            head, why = aoti_kernels.aoti_int8_linear(QuantizedLinear(Int8Weight(self._lm_head_weight, self.dtype)))
+            int8 = QuantizedLinear(Int8Weight(self._lm_head_weight, self.dtype))
+            dot, _ = int8_dot_weight(int8.kernel)  # where it does not run, inductor's int8 GEMM
+            head, why = (QuantizedLinear(dot), None) if dot else aoti_kernels.aoti_int8_linear(int8)
         else:
             head, why = aoti_kernels.aoti_linear(self._lm_head)
         if why is None:
@@ -572,7 +576,8 @@ class FastTarget:
                 att = attend([q.contiguous(), k.contiguous(), v.contiguous(), keys[li], values[li], rows, columns])[0]
             else:
                 att = attention(q, k, v, keys[li], values[li], rows, runs)
-            x = layer.after.runner.run([x, att.contiguous()])[0]
+            after = layer.after
+            x = after(x, att) if isinstance(after, HalfThenDown) else after.runner.run([x, att.contiguous()])[0]
             if li in wanted:
                 feats[wanted[li]] = x[:real]
         return x

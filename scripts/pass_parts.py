@@ -26,6 +26,7 @@ from typing import Callable
 import torch
 
 from dflash_core.acceptance import argmax
+from dflash_core.aoti_layers import HalfThenDown
 from dflash_core.engine import Engine
 
 
@@ -72,7 +73,11 @@ def main() -> int:
     # The kernels' runners are timed (the engine may call them directly or through their wrappers).
     for layer in runner.layers:
         layer.before.runner = TimedRunner(layer.before.runner, "qkv half", totals)
-        layer.after.runner = TimedRunner(layer.after.runner, "o and MLP half", totals)
+        if isinstance(layer.after, HalfThenDown):  # down apart, through int8_dot
+            layer.after.half.runner = TimedRunner(layer.after.half.runner, "o and MLP half", totals)
+            layer.after.down.rows = timed("down", layer.after.down.rows, totals)
+        else:
+            layer.after.runner = TimedRunner(layer.after.runner, "o and MLP half", totals)
     if runner.attention is not None:  # a pass straddling a span's end makes two calls
         runner.attention.runner = TimedRunner(runner.attention.runner, "attention", totals)
     runner._lm_head = timed("LM head", runner._lm_head, totals)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_core import aoti_kernels, aoti_layers
+from dflash_core import aoti_kernels, aoti_layers, int8_dot
 from dflash_core.errors import RegistryError
 from dflash_core.kernels import Linear
 from dflash_core.registry import KERNELS, parse_registry
@@ -130,7 +130,9 @@ def test_int8_weights_run_the_int8_gemm_losslessly(kernel_cache):
                                   f"(int8 weight-only, their rows in bf16); layers not compiled whole: {OFF}")
     kernels = [m.kernel for layer in runner.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
     assert all(isinstance(k, aoti_kernels.AotiInt8Weight) for k in kernels)
-    assert isinstance(runner._lm_head.kernel, aoti_kernels.AotiInt8Weight)  # the LM head too
+    # the LM head too: through bf16 dot products where int8_dot runs (AVX512-BF16 without AMX)
+    head = aoti_kernels.AotiInt8Weight if int8_dot.unavailable() else int8_dot.Int8DotWeight
+    assert isinstance(runner._lm_head.kernel, head)
     assert torch.equal(runner.lm_head_weight, model.lm_head.weight)  # the drafter's stays full precision
     assert runner.batch_invariant
     # The full-precision model, to int8's rounding of the weights.

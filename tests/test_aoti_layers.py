@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_core import aoti_attention, aoti_kernels, aoti_layers
+from dflash_core import aoti_attention, aoti_kernels, aoti_layers, int8_dot
 from dflash_core.target import FastTarget
 from dflash_core.testing import (PROMPTS, assert_greedy_lossless, assert_greedy_tree_lossless, assert_same_logits,
                                  assert_tree_nodes_are_their_paths, tiny_drafter, tiny_target, two_shape_llama)
@@ -123,16 +123,18 @@ def test_w8a8_rows_follow_inductors_table_of_kernels(monkeypatch, signed, unsign
 
 
 def test_a_spec_field_at_its_default_keeps_the_kernels_names():
-    # LayerSpec.rows came after kernels were built: at its default it leaves their names alone.
+    # LayerSpec.rows and .down_apart came after kernels were built: at their defaults they leave
+    # their names alone.
     from dataclasses import asdict
     import hashlib
     import json
 
     fields = asdict(SPEC)
-    del fields["rows"]
+    del fields["rows"], fields["down_apart"]
     assert aoti_kernels.spec_digest(SPEC) == hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
-    unsigned = aoti_layers.LayerSpec(**{**asdict(SPEC), "kind": "w8a8", "rows": "uint8"})
-    assert aoti_kernels.spec_digest(unsigned) != aoti_kernels.spec_digest(aoti_layers.LayerSpec(**{**asdict(SPEC), "kind": "w8a8"}))
+    w8a8 = aoti_layers.LayerSpec(**{**asdict(SPEC), "kind": "w8a8"})
+    for changed in ({"rows": "uint8"}, {"down_apart": True}):
+        assert aoti_kernels.spec_digest(aoti_layers.LayerSpec(**{**asdict(w8a8), **changed})) != aoti_kernels.spec_digest(w8a8)
 
 
 def test_a_bf16_target_is_not_compiled():
@@ -188,10 +190,14 @@ def test_compiled_layers_are_the_eager_ones_and_lossless(weights, kernel_cache):
         assert "building the layer kernels failed: RuntimeError: the compiled layer's results are not the eager layer's" \
             in runner.kernel_note
         return
-    head = "through the C++ GEMM" if kind == "float32" else "int8 through the int8 GEMM"
+    # int8_dot's bf16 dot products for the weight-only int8 head and down where they run (AVX512-BF16, no AMX)
+    dot = kind != "float32" and int8_dot.unavailable() is None
+    head = "through the C++ GEMM" if kind == "float32" else f"int8 through {'bf16 dot products' if dot else 'the int8 GEMM'}"
     unsigned = ", rows unsigned" if kind == "w8a8" and rows == "uint8" else ""
-    assert runner.kernel_note == (f"3 of 3 decoder layers compiled whole around attention ({kind} matrices{unsigned}); "
+    down = ", down through bf16 dot products" if dot else ""
+    assert runner.kernel_note == (f"3 of 3 decoder layers compiled whole around attention ({kind} matrices{unsigned}{down}); "
                                   f"attention compiled; the LM head {head}")
+    assert all(isinstance(layer.after, aoti_layers.HalfThenDown) == dot for layer in runner.layers)
     assert isinstance(runner.attention, aoti_attention.CompiledAttention)
     # The drafter reads the full-precision head whatever runs the target's.
     assert runner.lm_head_weight is model.lm_head.weight or torch.equal(runner.lm_head_weight, model.lm_head.weight)

@@ -1,0 +1,140 @@
+"""Weight-only int8 products through bf16 dot products, for AVX512-BF16 CPUs without AMX.
+
+A verify block is 16 rows; inductor's weight-only int8 GEMM (``aoti_kernels``) has no bf16 dot
+product on AVX-512: it widens rows and codes to fp32 and multiplies with FMA, so on an EPYC Zen 4
+a 16-row pass of the LM head or of the MLP's ``down`` (the w8a8 pair's weight-only matrices)
+cost about ten times a 2-row one. ``csrc/int8_dot.cpp`` widens the codes to bf16 (exact) and
+multiplies with ``vdpbf16ps``, two products per lane and instruction: the 16-row pass then costs
+about a quarter of that, the 2-row pass the same (``scripts/int8_dot_speed.py``; figures in
+docs/BENCHMARKS-AMD.md). Where the CPU has AMX, inductor's kernel multiplies in AMX tiles and this
+one is not used; without AVX512-BF16 it cannot run.
+
+The C++ is compiled with the system's compiler on first use, once per machine, into the kernel
+cache beside the AOTInductor kernels (a second; no PyTorch headers), and called through ctypes.
+Every output is summed in one fixed order whatever the number of rows, and a probe checks, as for
+every kernel, that a row's numbers never change with the rows beside it and that they are the
+eager int8 kernel's to rounding.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).parent / "csrc" / "int8_dot.cpp"
+FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-ffp-contract=off", "-fopenmp",
+         "-shared", "-fPIC")
+BLOCK = 16  # outputs per block of the packed codes (one fp32 register)
+
+
+def cannot_run() -> str | None:
+    """Why the kernel cannot run here (None where it can): it needs AVX512-BF16 and a C++ compiler.
+    A process told to keep to fewer instructions (``isa_emulation``) counts as that CPU."""
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+        return f"PyTorch runs this CPU as {torch.backends.cpu.get_cpu_capability()}, not AVX512"
+    probe = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
+    if probe is None or not probe():
+        return "this CPU has no AVX512-BF16"
+    if shutil.which(os.environ.get("CXX", "g++")) is None:
+        return "no C++ compiler (CXX or g++)"
+    return None
+
+
+def unavailable() -> str | None:
+    """Why the engine does not use the kernel here (None where it does): where it cannot run, and
+    where AMX gives inductor's int8 GEMM its tiles (AMX hidden by ``isa_emulation`` counts as none)."""
+    from .isa_emulation import VARIABLE, _has_amx
+
+    why = cannot_run()
+    if why is None and _has_amx() and os.environ.get(VARIABLE) is None:
+        return "this CPU has AMX, whose tiles inductor's int8 GEMM uses"
+    return why
+
+
+@functools.cache
+def _library() -> ctypes.CDLL:
+    """The compiled kernel, built into the cache first where it is missing."""
+    from .aoti_kernels import kernel_dir
+
+    source = SOURCE.read_bytes()
+    digest = hashlib.sha256(source + " ".join(FLAGS).encode()).hexdigest()[:12]
+    library = kernel_dir() / f"int8-dot-{digest}.so"
+    if not library.exists():
+        library.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=library.parent) as folder:
+            staged = Path(folder) / library.name
+            compiler = os.environ.get("CXX", "g++")
+            done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(staged)], capture_output=True, text=True)
+            if done.returncode != 0:
+                raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-400:]}")
+            os.replace(staged, library)
+    lib = ctypes.CDLL(str(library))
+    lib.int8_dot.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+    lib.int8_dot.restype = None
+    return lib
+
+
+def pack(q: torch.Tensor) -> torch.Tensor:
+    """Codes (N, K) in the kernel's layout (N / 16, K / 2, 32): a pair of K for 16 outputs at a time."""
+    n, k = q.shape
+    return q.reshape(n // BLOCK, BLOCK, k // 2, 2).permute(0, 2, 1, 3).reshape(n // BLOCK, k // 2, 2 * BLOCK)
+
+
+class Int8DotWeight:
+    """``weight_formats.Int8Weight``'s product (``x @ (q * scales[:, None]).T``), the rows rounded to
+    bf16 as inductor's int8 GEMM rounds them, the sums in fp32 and the result in ``x``'s dtype;
+    ``add`` (the output's shape) is added in the same pass (a residual), the result then in its dtype."""
+
+    fmt = "int8"
+
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor) -> None:
+        self.shape = tuple(q.shape)
+        self.packed = pack(q)
+        self.scales = scales.float().contiguous()
+        self._kernel = _library().int8_dot
+
+    def __call__(self, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+        n, k = self.shape
+        dtype = x.dtype if add is None else add.dtype
+        rows = x.reshape(-1, k).to(torch.bfloat16).contiguous()  # no copies where x is so already
+        if add is not None:
+            add = add.reshape(rows.shape[0], n).float().contiguous()
+        return self.rows(rows, add).to(dtype).view(*x.shape[:-1], n)
+
+    def rows(self, rows: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+        """The product of contiguous bf16 ``rows`` (M, K), plus contiguous fp32 ``add`` (M, N), in
+        fp32: the call without the checks and conversions (a few microseconds a call, 30 calls a
+        pass on SmolLM2)."""
+        out = torch.empty(rows.shape[0], self.shape[0])
+        self._kernel(rows.data_ptr(), rows.shape[0], self.shape[1], self.packed.data_ptr(), self.scales.data_ptr(),
+                     None if add is None else add.data_ptr(), out.data_ptr(), self.shape[0], torch.get_num_threads())
+        return out
+
+
+def int8_dot_weight(eager) -> tuple[Int8DotWeight | None, str | None]:
+    """An ``Int8Weight``'s product through this kernel where it runs here and its probe passes
+    (``aoti_kernels.exact_here``: rows independent of their company, numbers the eager kernel's to
+    rounding); else None and why."""
+    from .aoti_kernels import exact_here
+
+    why = unavailable()
+    if why is not None:
+        return None, why
+    n, k = eager.shape
+    if n % BLOCK or k % 2 or eager.q.device.type != "cpu":
+        return None, f"a {n}x{k} matrix on {eager.q.device.type} (it takes CPU matrices of 16 outputs and pairs of inputs)"
+    try:
+        kernel = Int8DotWeight(eager.q, eager.scales)
+    except (OSError, RuntimeError) as exc:  # the compiler or the loader failed: the other kernels run
+        return None, f"building the kernel failed: {type(exc).__name__}: {str(exc)[:200]}"
+    why = exact_here(kernel, eager)
+    return (None, why) if why else (kernel, None)
