@@ -19,16 +19,18 @@ layers) runs the eager layer, as does any call after the drafter's weights have 
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from .aoti_kernels import INT8_ROWS, available, cached, kernel_dir, spec_digest
-from .aoti_layers import (CompiledHalf, LayerSpec, Matrix, build_kernel, close_to_rounding, layer_library, rms_norm,
-                          w8a8_params)
+from .aoti_layers import (CompiledHalf, HalfThenDown, LayerSpec, Matrix, build_kernel, close_to_rounding, layer_library,
+                          rms_norm, w8a8_params)
 from .drafter import DrafterCache, rotate_half
+from .int8_dot import int8_dot_weight
+from .weight_formats import Int8Weight
 
 # Set to 0 to run the drafter's layers matrix by matrix (to measure one against the other).
 SWITCH = "DFLASH_AOTI_DRAFTER_LAYERS"
@@ -226,10 +228,13 @@ def compile_drafter_layers(drafter, kind: str) -> str:
         if not layer.self_attn.spec.plain or layer.self_attn.q_proj.bias is not None:
             continue
         before_spec, after_spec = _spec(layer, kind, rows)
+        # down through int8_dot's bf16 dot products where they run, as the target's
+        down = int8_dot_weight(Int8Weight(layer.mlp.down_proj.weight.detach(), torch.float32))[0] if kind != "float32" else None
         try:
             before_params, after_params = _params(layer, kind)
+            after = CompiledHalf(*layer_library(replace(after_spec, down_apart=down is not None), "after"), after_params)
             compiled = CompiledDrafterLayer(layer, CompiledHalf(*before_library(before_spec), before_params),
-                                            CompiledHalf(*layer_library(after_spec, "after"), after_params))
+                                            after if down is None else HalfThenDown(after, down))
         except Exception as exc:  # a compiler or AOTInductor failure: the eager layers keep running
             return f"layers eager (building the kernels failed: {type(exc).__name__}: {str(exc)[:200]})"
         if not _probe(layer, compiled, kind):
@@ -237,4 +242,5 @@ def compile_drafter_layers(drafter, kind: str) -> str:
         layer.compiled = compiled
         done += 1
     unsigned = ", rows unsigned" if kind == "w8a8" and rows == "uint8" else ""
+    unsigned += ", down through bf16 dot products" if done and kind != "float32" and down is not None else ""
     return f"{done} of {len(drafter.layers)} layers compiled whole around attention ({kind} matrices{unsigned})"

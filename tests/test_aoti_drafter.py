@@ -9,9 +9,9 @@ import copy
 import pytest
 import torch
 
-from dflash_core import aoti_drafter, aoti_kernels
+from dflash_core import aoti_drafter, aoti_kernels, int8_dot
 from dflash_core.aoti_drafter import compile_drafter_layers
-from dflash_core.aoti_layers import CompiledHalf, layer_library
+from dflash_core.aoti_layers import CompiledHalf, HalfThenDown, layer_library
 from dflash_core.speculative import GenerationConfig, collect, stream
 from dflash_core.target import FastTarget
 from dflash_core.testing import PROMPTS, tiny_drafter, tiny_target, two_shape_llama
@@ -114,8 +114,10 @@ def test_w8a8_drafter_layers_round_their_rows_as_the_targets_and_keep_the_output
         return
     if note.startswith("layers eager"):
         pytest.fail(f"the w8a8 drafter layers were refused: {note}")
+    dot = int8_dot.unavailable() is None  # down through bf16 dot products where they run, as the target's
     assert note == "2 of 2 layers compiled whole around attention (w8a8 matrices" + (
-        ", rows unsigned)" if rows == "uint8" else ")")
+        ", rows unsigned" if rows == "uint8" else "") + (", down through bf16 dot products)" if dot else ")")
+    assert all(isinstance(layer.compiled.after, HalfThenDown) == dot for layer in drafter.layers)
     counters = [Counting(layer.compiled) for layer in drafter.layers]
     for layer, counter in zip(drafter.layers, counters):
         layer.compiled = counter
