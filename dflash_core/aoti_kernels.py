@@ -23,6 +23,7 @@ Whole decoder layers compiled around attention, tried before the matrices, are `
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -261,12 +262,30 @@ def install(staged: Path, library: Path, meta: dict) -> dict:
     return meta
 
 
+@contextlib.contextmanager
+def build_lock(library: Path):
+    """Held while ``library`` is looked up and built: by one thread of this process (``BUILD_LOCK``)
+    and one process of this machine (a lock file beside it), so that processes starting together
+    (the suite's workers, a studio and a CLI) wait for one build instead of each running their own."""
+    library.parent.mkdir(parents=True, exist_ok=True)
+    with BUILD_LOCK, open(library.with_suffix(".lock"), "a") as handle:
+        try:
+            import fcntl
+        except ImportError:  # not a POSIX system: the thread lock only
+            yield
+            return
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def cached(library: Path, build) -> tuple[Path, dict]:
     """``library`` and its metadata from the cache, ``build(library)`` first where it is missing."""
     meta_file = library.with_suffix(".json")
-    with BUILD_LOCK:
+    with build_lock(library):
         if not (library.exists() and meta_file.exists()):
-            library.parent.mkdir(parents=True, exist_ok=True)
             return library, build(library)
     return library, json.loads(meta_file.read_text())
 

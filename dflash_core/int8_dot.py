@@ -62,25 +62,30 @@ def unavailable() -> str | None:
 @functools.cache
 def _library() -> ctypes.CDLL:
     """The compiled kernel, built into the cache first where it is missing."""
-    from .aoti_kernels import kernel_dir
+    from .aoti_kernels import build_lock, kernel_dir
 
     source = SOURCE.read_bytes()
     digest = hashlib.sha256(source + " ".join(FLAGS).encode()).hexdigest()[:12]
     library = kernel_dir() / f"int8-dot-{digest}.so"
-    if not library.exists():
-        library.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=library.parent) as folder:
-            staged = Path(folder) / library.name
-            compiler = os.environ.get("CXX", "g++")
-            done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(staged)], capture_output=True, text=True)
-            if done.returncode != 0:
-                raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-400:]}")
-            os.replace(staged, library)
+    with build_lock(library):
+        if not library.exists():
+            _compile(library)
     lib = ctypes.CDLL(str(library))
     lib.int8_dot.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                              ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
     lib.int8_dot.restype = None
     return lib
+
+
+def _compile(library: Path) -> None:
+    """The C++ compiled into ``library`` (staged beside it, then moved in whole)."""
+    with tempfile.TemporaryDirectory(dir=library.parent) as folder:
+        staged = Path(folder) / library.name
+        compiler = os.environ.get("CXX", "g++")
+        done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(staged)], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-400:]}")
+        os.replace(staged, library)
 
 
 def pack(q: torch.Tensor) -> torch.Tensor:

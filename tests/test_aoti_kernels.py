@@ -184,3 +184,31 @@ def test_the_drafter_runs_the_cpp_gemm_and_drafts_as_before(int8, kernel_cache):
         want = after[0] @ model.lm_head.weight[vocab].T
     assert isinstance(drafter._head_cache[1], aoti_kernels.AotiLinear if not int8 else QuantizedLinear)
     assert (logits - want).norm() <= tolerance * want.norm()
+
+
+def test_processes_starting_together_wait_for_one_build(tmp_path):
+    # The suite's workers, or a studio and a CLI started together, build a missing kernel once:
+    # the second waits for the first's build and loads it.
+    import subprocess
+    import sys
+
+    script = """
+import sys, time
+from pathlib import Path
+from dflash_core.aoti_kernels import cached
+folder = Path(sys.argv[1])
+def build(path):
+    with open(folder / "builds", "a") as log:
+        log.write("x")
+    time.sleep(1.5)
+    path.write_bytes(b"kernel")
+    path.with_suffix(".json").write_text('{"built": true}')
+    return {"built": True}
+print(cached(folder / "kernel.so", build)[1])
+"""
+    processes = [subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+                 for _ in range(2)]
+    outputs = [p.communicate(timeout=120)[0].strip() for p in processes]
+    assert all(p.returncode == 0 for p in processes)
+    assert outputs == ["{'built': True}"] * 2
+    assert (tmp_path / "builds").read_text() == "x"
