@@ -204,7 +204,7 @@ def build(path):
     path.write_bytes(b"kernel")
     path.with_suffix(".json").write_text('{"built": true}')
     return {"built": True}
-print(cached(folder / "kernel.so", build)[1])
+print(cached(folder / "kernel.bin", build)[1])
 """
     processes = [subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], stdout=subprocess.PIPE, text=True)
                  for _ in range(2)]
