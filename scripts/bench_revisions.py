@@ -4,8 +4,8 @@
         --prompts humaneval --limit 10 --max-new-tokens 256 --block-size 16 --methods dflash,ar
 
 Checks ``--base`` out into a temporary git worktree and runs ``python -m dflash_core bench`` with
-the arguments after ``--`` from it and from this checkout in turn (base, head, base, head...), so
-slow drift of a shared machine falls on both alike. Prints, per method, each revision's decode
+the arguments after ``--`` from it and from this checkout in turn (base, head, head, base, ...: an
+even number of rounds balances both slow drift and the place of a run in its round). Prints, per method, each revision's decode
 tokens/s (median over rounds) and their ratio, and whether every prompt's acceptance lengths and
 token counts (and DFlash == AR) came out the same on both: a restructuring must change none of
 them. Adaptive variants decide from measured times, so theirs may differ between runs of the same
@@ -55,8 +55,13 @@ def main() -> int:
                        capture_output=True)
         try:
             runs: dict[str, list[dict]] = {"base": [], "head": []}
+            # ABBA: each round runs the other revision first, so that drift and whatever favours a
+            # run by its place in the round fall on both alike. What the tool cannot resolve: the
+            # same code on both sides gave head / base 0.87 (ABAB) and 0.93 (ABBA) for AR on the
+            # EPYC (docs/benchmark-notes-amd.md).
             for r in range(opts.rounds):
-                for label, tree in (("base", base_tree), ("head", ROOT)):
+                order = (("base", base_tree), ("head", ROOT))
+                for label, tree in (order if r % 2 == 0 else order[::-1]):
                     runs[label].append(bench(tree, args, opts.out / f"{label}-{r}"))
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(base_tree)], cwd=ROOT, check=False)
