@@ -60,29 +60,33 @@ def unavailable() -> str | None:
 
 
 @functools.cache
-def _library() -> ctypes.CDLL:
-    """The compiled kernel, built into the cache first where it is missing."""
+def compiled(source: Path) -> ctypes.CDLL:
+    """The C++ file ``source`` compiled with ``FLAGS`` and loaded, built into the cache first where
+    it is missing (named by its content, so an edited source builds anew)."""
     from .aoti_kernels import build_lock, kernel_dir
 
-    source = SOURCE.read_bytes()
-    digest = hashlib.sha256(source + " ".join(FLAGS).encode()).hexdigest()[:12]
-    library = kernel_dir() / f"int8-dot-{digest}.so"
+    digest = hashlib.sha256(source.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:12]
+    library = kernel_dir() / f"{source.stem}-{digest}.so"
     with build_lock(library):
         if not library.exists():
-            _compile(library)
-    lib = ctypes.CDLL(str(library))
+            _compile(source, library)
+    return ctypes.CDLL(str(library))
+
+
+def _library() -> ctypes.CDLL:
+    lib = compiled(SOURCE)
     lib.int8_dot.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                              ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
     lib.int8_dot.restype = None
     return lib
 
 
-def _compile(library: Path) -> None:
-    """The C++ compiled into ``library`` (staged beside it, then moved in whole)."""
+def _compile(source: Path, library: Path) -> None:
+    """``source`` compiled into ``library`` (staged beside it, then moved in whole)."""
     with tempfile.TemporaryDirectory(dir=library.parent) as folder:
         staged = Path(folder) / library.name
         compiler = os.environ.get("CXX", "g++")
-        done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(staged)], capture_output=True, text=True)
+        done = subprocess.run([compiler, *FLAGS, str(source), "-o", str(staged)], capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-400:]}")
         os.replace(staged, library)

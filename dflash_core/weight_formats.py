@@ -157,6 +157,15 @@ class Int4Weight:
         return out.to(x.dtype)
 
 
+def int4_kernel(blocks: Q4Blocks, dtype: torch.dtype):
+    """``blocks``' kernel: ``q4_dot``'s (the file's scales as they are, bf16 dot products) where it
+    runs here, else PyTorch's int4 kernel (``Int4Weight``)."""
+    from .q4_dot import q4_dot_weight
+
+    kernel, _ = q4_dot_weight(blocks)
+    return kernel if kernel is not None else Int4Weight(blocks, dtype)
+
+
 class Int8Weight:
     """``x @ w.T`` through ``_weight_int8pack_mm``: symmetric int8, one scale per output channel."""
 
@@ -358,9 +367,9 @@ def quantized_layers(layers: list, fmt: str, dtype: torch.dtype, q4_blocks: dict
                 blocks = Q4Blocks.cat([q4_blocks[f"model.layers.{i}.{name}"] for name in names])
                 if tuple(blocks.q.shape) != tuple(linear.weight.shape):
                     return None, f"the GGUF's Q4_1 blocks for layer {i} {field} are {tuple(blocks.q.shape)}, the model's weight {tuple(linear.weight.shape)}"
-                kernel = Int4Weight(blocks, dtype)
+                kernel = int4_kernel(blocks, dtype)
             else:
-                kernel = Int4Weight(quantize_q4(linear.weight.float()), dtype)
+                kernel = int4_kernel(quantize_q4(linear.weight.float()), dtype)
             # Kernels pick their code path by shape and row count, not by values: one probe per shape.
             shape = tuple(linear.weight.shape)
             if (shape, kernel.fmt) not in checked:
@@ -376,7 +385,11 @@ def quantized_layers(layers: list, fmt: str, dtype: torch.dtype, q4_blocks: dict
         note = ("w8a8: qkv, o and gate_up int8 x int8 (rows quantized per row after SmoothQuant factors from a "
                 "calibration text), down int8 weight-only; weights requantized from the loaded ones")
     elif from_file:
-        note = "int4 from the GGUF's own Q4_1 blocks (scales and zeros in bf16)"
+        from .q4_dot import Q4DotWeight
+
+        note = "int4 from the GGUF's own Q4_1 blocks " + (
+            "(bf16 dot products, the file's scales and minimums)" if isinstance(kernel, Q4DotWeight) else
+            "(scales and zeros in bf16)")
     else:
         note = "int4, groups of 32 (requantized from the loaded weights)"
     return out, note

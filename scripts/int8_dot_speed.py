@@ -1,14 +1,15 @@
-"""The weight-only int8 kernels side by side on SmolLM2's shapes: what docs/BENCHMARKS-AMD.md cites for
-``dflash_core/int8_dot.py``.
+"""The weight-only int8 and Q4_1 kernels side by side on SmolLM2's shapes: what docs/BENCHMARKS-AMD.md
+cites for ``dflash_core/int8_dot.py`` and ``dflash_core/q4_dot.py``.
 
     python scripts/int8_dot_speed.py [--rows 1,2,16,32] [--rounds 3] [--out runs/int8_dot_speed.json]
 
 For the LM head (49152 x 576, once) and the MLP's ``down`` (576 x 1536, 30 distinct copies, as in a
 pass), times per call group, interleaved round by round: inductor's weight-only int8 GEMM
 (``aoti_kernels.AotiInt8Weight``, the compiled pairs' kernel elsewhere), ``int8_dot`` (bf16 dot
-products), and, for scale, oneDNN's packed bf16 product of the same codes (twice the bytes). Also
-the largest relative error of each against the exact product of the same rows (rounded to bf16)
-and codes, in float64. Prints milliseconds (median over rounds) and writes them as JSON.
+products), and, for scale, oneDNN's packed bf16 product of the same codes (twice the bytes); then
+the Q4_1 kernels on random Q4_1 blocks whose weights the int8 codes requantize: PyTorch's int4
+kernel (``weight_formats.Int4Weight``) and ``q4_dot``. Also the largest relative error of each
+against the exact product of the same rows (rounded to bf16) and its own codes, in float64. Prints milliseconds (median over rounds) and writes them as JSON.
 """
 
 from __future__ import annotations
@@ -21,11 +22,20 @@ from pathlib import Path
 
 import torch
 
-from dflash_core import aoti_kernels, int8_dot
+from dflash_core import aoti_kernels, int8_dot, q4_dot
 from dflash_core.kernels import Linear
-from dflash_core.weight_formats import Int8Weight, QuantizedLinear
+from dflash_core.weight_formats import Int4Weight, Int8Weight, Q4Blocks, QuantizedLinear
 
 SHAPES = {"LM head": (49152, 576, 1), "down x30": (576, 1536, 30)}
+
+
+def random_q4(out_features: int, in_features: int, generator: torch.Generator) -> Q4Blocks:
+    """Q4_1 blocks of a matrix's scale: codes 0..15, fp16 scales and minimums per group of 32."""
+    groups = (out_features, in_features // 32)
+    scale = 4 / in_features**0.5 / 15
+    return Q4Blocks(torch.randint(0, 16, (out_features, in_features), generator=generator, dtype=torch.int32),
+                    (scale * (0.5 + torch.rand(groups, generator=generator))).half().float(),
+                    (-7.5 * scale * (0.5 + torch.rand(groups, generator=generator))).half().float())
 
 
 def seconds(fn, repeats: int = 20) -> float:
@@ -48,25 +58,30 @@ def main() -> int:
     generator = torch.Generator().manual_seed(0)
     results: dict = {"threads": torch.get_num_threads(), "shapes": {}}
     for name, (out_features, in_features, copies) in SHAPES.items():
-        eager = [Int8Weight(torch.randn(out_features, in_features, generator=generator) / in_features**0.5, torch.float32)
-                 for _ in range(copies)]
+        blocks = [random_q4(out_features, in_features, generator) for _ in range(copies)]
+        eager = [Int8Weight(b.dequantize(), torch.float32) for b in blocks]
         kernels = {
             "inductor int8 GEMM": [aoti_kernels.aoti_int8_linear(QuantizedLinear(e))[0] for e in eager],
             "int8_dot (bf16 dot products)": [QuantizedLinear(int8_dot.Int8DotWeight(e.q, e.scales)) for e in eager],
             "oneDNN bf16 (codes as bf16)": [Linear(e.q.to(torch.bfloat16)) for e in eager],
+            "PyTorch int4 (Q4_1)": [QuantizedLinear(Int4Weight(b, torch.float32)) for b in blocks],
+            "q4_dot (Q4_1, bf16 dot products)": [QuantizedLinear(q4_dot.Q4DotWeight(b)) for b in blocks],
         }
         scales = eager[0].scales.double()
+        q4_weight = blocks[0].dequantize().double()
         shape: dict = {}
         for rows in (int(r) for r in opts.rows.split(",")):
             x = torch.randn(rows, in_features, generator=generator)
             exact = (x.bfloat16().double() @ eager[0].q.double().T) * scales
+            exact_q4 = x.bfloat16().double() @ q4_weight.T
             timings: dict[str, list[float]] = {kind: [] for kind in kernels}
             errors = {}
             with torch.inference_mode():
                 for kind, group in kernels.items():
                     rows_in = x.bfloat16() if kind.startswith("oneDNN") else x
                     got = group[0](rows_in).double() * (scales if kind.startswith("oneDNN") else 1)
-                    errors[kind] = ((got - exact).abs().max() / exact.abs().max()).item()
+                    want = exact_q4 if "Q4_1" in kind else exact
+                    errors[kind] = ((got - want).abs().max() / want.abs().max()).item()
                 for _ in range(opts.rounds):
                     for kind, group in kernels.items():
                         rows_in = x.bfloat16() if kind.startswith("oneDNN") else x
