@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from . import isa_emulation
+from . import int8_dot, isa_emulation
 from .kernels import Linear, probe_rows, rows_match
 
 KERNELS = ("onednn", "aoti")
@@ -426,12 +426,11 @@ def aoti_int8_linear(linear):
 def _drafter_kernel(weight: torch.Tensor, int8: bool):
     """``x @ weight.T`` through the C++ GEMM (int8: the weight requantized per output channel),
     or None where it cannot be built or its probe refuses."""
-    from .int8_dot import int8_dot_weight
     from .weight_formats import Int8Weight, QuantizedLinear
 
     if int8:
         eager = Int8Weight(weight, weight.dtype)
-        dot, _ = int8_dot_weight(eager)  # bf16 dot products where they run, else inductor's int8 GEMM
+        dot, _ = int8_dot.int8_dot_weight(eager)  # bf16 dot products where they run, else inductor's int8 GEMM
         if dot is not None:
             return QuantizedLinear(dot)
         kernel, why = aoti_int8_linear(QuantizedLinear(eager))
@@ -460,9 +459,7 @@ def drafter_kernels(drafter, int8: bool) -> str:
             module.forward = PackedModuleForward(module, kernel)
             done += 1
     drafter.set_head_kernel(lambda weight: _drafter_kernel(weight, int8) or Linear(weight))
-    from .int8_dot import unavailable
-
-    if int8 and unavailable() is None:
+    if int8 and int8_dot.unavailable() is None:
         return f"bf16 dot products (int8 weight-only) for {done} of {len(linears)} matrices and the draft head"
     kind = "int8 weight-only, rows in bf16" if int8 else "fp32"
     return f"inductor C++ GEMM ({kind}) for {done} of {len(linears)} matrices and the draft head"

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from .aoti_kernels import (INT8_ROWS, VNNI_CANDIDATES, blocked, cached, compile_shared_object, install, kernel_dir,
                            load_runner, spec_digest, swap_in)
 from .families import FusedLayer
-from .int8_dot import int8_dot_weight
+from . import int8_dot
 from .kernels import probe_rows
 from .weight_formats import DYNAMIC_MATRICES, int8_rows_product, quantize_rows
 
@@ -469,19 +469,13 @@ def layer_spec(layer: FusedLayer, target) -> tuple[LayerSpec | None, str | None]
                      else matrices["down"].weight.shape[1], eps=target.eps,
                      biases=tuple(name for name, m in matrices.items() if m.bias is not None),
                      qk_norm=layer.qk_norm is not None, rows=_w8a8_rows() if kind == "w8a8" else "int8",
-                     down_apart=kind in ("int8", "w8a8") and matrices["down"].bias is None and _int8_dot_runs())
+                     down_apart=kind in ("int8", "w8a8") and matrices["down"].bias is None and int8_dot.unavailable() is None)
     shapes = spec.shapes()
     for name, m in matrices.items():
         shape = tuple(m.kernel.shape) if kind != "float32" else tuple(m.weight.shape)
         if shape != shapes[name]:
             return None, f"the layer's {name} is {shape}, not the {shapes[name]} its shapes imply"
     return spec, None
-
-
-def _int8_dot_runs() -> bool:
-    from .int8_dot import unavailable
-
-    return unavailable() is None
 
 
 def _w8a8_rows() -> str:
@@ -547,7 +541,7 @@ def compiled_layers(target) -> tuple[list[CompiledLayer] | None, str]:
         params = _layer_params(layer, spec.kind)
         before, after = (CompiledHalf(*libraries[half], params) for half in MATRICES)
         if spec.down_apart:
-            down, why = int8_dot_weight(layer.down.kernel)
+            down, why = int8_dot.int8_dot_weight(layer.down.kernel)
             if down is None:
                 return None, f"layer {i}'s down through int8_dot: {why}"
             after = HalfThenDown(after, down)
