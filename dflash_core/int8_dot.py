@@ -5,8 +5,8 @@ product on AVX-512: it widens rows and codes to fp32 and multiplies with FMA, so
 a 16-row pass of the LM head or of the MLP's ``down`` (the w8a8 pair's weight-only matrices)
 cost about ten times a 2-row one. ``csrc/int8_dot.cpp`` widens the codes to bf16 (exact) and
 multiplies with ``vdpbf16ps``, two products per lane and instruction: the 16-row pass then costs
-about a quarter of that, the 2-row pass the same (``scripts/int8_dot_speed.py``; figures in
-docs/BENCHMARKS-AMD.md). Where the CPU has AMX, inductor's kernel multiplies in AMX tiles and this
+about a quarter of that, the 2-row pass a little more (widening the codes costs more than it saves
+at so few rows; ``scripts/int8_dot_speed.py``, figures in docs/BENCHMARKS-AMD.md). Where the CPU has AMX, inductor's kernel multiplies in AMX tiles and this
 one is not used; without AVX512-BF16 it cannot run.
 
 The C++ is compiled with the system's compiler on first use, once per machine, into the kernel
