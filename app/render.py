@@ -146,11 +146,11 @@ def speedup_parts(dflash_tokens_per_s: float, ar_tokens_per_s: float) -> tuple[s
     (the page sets it in bold): ("1.93×", "faster than the target alone (x vs y tok/s)"), or where
     DFlash was the slower, ("0.48×", "the speed of the target alone (x vs y tok/s): slower here"),
     never "0.48× faster"."""
-    ratio = f"{dflash_tokens_per_s / ar_tokens_per_s:.2f}×"
+    ratio = round(dflash_tokens_per_s / ar_tokens_per_s, 2)  # as shown: 1.00× is not "slower"
     rates = f"({dflash_tokens_per_s:.1f} vs {ar_tokens_per_s:.1f} tok/s)"
-    if float(ratio[:-1]) >= 1:
-        return ratio, f"faster than the target alone {rates}"
-    return ratio, f"the speed of the target alone {rates}: slower here"
+    if ratio >= 1:
+        return f"{ratio:.2f}×", f"faster than the target alone {rates}"
+    return f"{ratio:.2f}×", f"the speed of the target alone {rates}: slower here"
 
 
 TIMING_NOTE = (

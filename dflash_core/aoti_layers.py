@@ -434,8 +434,8 @@ class HalfThenDown:
         self.half, self.down = half, down
 
     def __call__(self, x: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
-        residual, act = self.half.runner.run([x.contiguous(), attention.contiguous()])  # contiguous outputs
-        return self.down.rows(act if act.dtype == torch.bfloat16 else act.to(torch.bfloat16), residual)
+        residual, act = self.half.runner.run([x.contiguous(), attention.contiguous()])  # fp32 and bf16, contiguous
+        return self.down.rows(act, residual)
 
 
 @dataclass

@@ -10,7 +10,7 @@ at so few rows; ``scripts/int8_dot_speed.py``, figures in docs/BENCHMARKS-AMD.md
 one is not used; without AVX512-BF16 it cannot run.
 
 The C++ is compiled with the system's compiler on first use, once per machine, into the kernel
-cache beside the AOTInductor kernels (a second; no PyTorch headers), and called through ctypes.
+cache beside the AOTInductor kernels (no PyTorch headers: seconds), and called through ctypes.
 Every output is summed in one fixed order whatever the number of rows, and a probe checks, as for
 every kernel, that a row's numbers never change with the rows beside it and that they are the
 eager int8 kernel's to rounding.
@@ -51,10 +51,10 @@ def cannot_run() -> str | None:
 def unavailable() -> str | None:
     """Why the engine does not use the kernel here (None where it does): where it cannot run, and
     where AMX gives inductor's int8 GEMM its tiles (AMX hidden by ``isa_emulation`` counts as none)."""
-    from .isa_emulation import VARIABLE, _has_amx
+    from .isa_emulation import VARIABLE, has_amx
 
     why = cannot_run()
-    if why is None and _has_amx() and os.environ.get(VARIABLE) is None:
+    if why is None and has_amx() and os.environ.get(VARIABLE) is None:
         return "this CPU has AMX, whose tiles inductor's int8 GEMM uses"
     return why
 

@@ -29,7 +29,7 @@ ISAS: dict[str, dict[str, str]] = {
 }
 
 
-def _has_amx() -> bool:
+def has_amx() -> bool:
     import torch
 
     probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
@@ -44,7 +44,7 @@ def emulable() -> list[str]:
         return []
     capability = torch.backends.cpu.get_cpu_capability()
     if capability == "AVX512":
-        return ["avx512-no-amx", "avx2"] if _has_amx() else ["avx2"]
+        return ["avx512-no-amx", "avx2"] if has_amx() else ["avx2"]
     return []
 
 

@@ -59,6 +59,12 @@ def rows_match(call, reference: torch.Tensor, probe: torch.Tensor) -> bool:
     return all(torch.equal(call(probe[:rows]), reference[:rows]) for rows in PROBE_ROWS)
 
 
+def rows_independent(call, own: torch.Tensor, probe: torch.Tensor) -> bool:
+    """Whether ``call``'s rows never change with the rows beside them: ``own`` (its result on all
+    of ``probe``) again for every row count of ``PROBE_ROWS``, and for a lone row."""
+    return rows_match(call, own, probe) and torch.equal(call(probe[:1]), own[:1])
+
+
 def probe_rows(in_features: int, dtype: torch.dtype) -> torch.Tensor:
     """The fixed input the probes compare kernels on."""
     generator = torch.Generator().manual_seed(0)
@@ -101,8 +107,7 @@ def _packed_rows(weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.
 
     if rows_match(call, F.linear(probe, weight, bias), probe):
         return "multi-row"
-    own = call(probe)
-    if rows_match(call, own, probe) and torch.equal(call(probe[:1]), own[:1]):
+    if rows_independent(call, call(probe), probe):
         return "all"
     return None
 

@@ -85,7 +85,7 @@ def test_with_amx_inductors_kernel_is_left_to_its_tiles(monkeypatch):
     from dflash_core import isa_emulation
 
     monkeypatch.setattr(int8_dot, "cannot_run", lambda: None)
-    monkeypatch.setattr(isa_emulation, "_has_amx", lambda: True)
+    monkeypatch.setattr(isa_emulation, "has_amx", lambda: True)
     monkeypatch.delenv(isa_emulation.VARIABLE, raising=False)
     assert int8_dot.unavailable() == "this CPU has AMX, whose tiles inductor's int8 GEMM uses"
     monkeypatch.setenv(isa_emulation.VARIABLE, "avx512-no-amx")  # AMX hidden: as an EPYC Zen 4
