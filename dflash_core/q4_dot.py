@@ -29,44 +29,78 @@ GROUP = 32  # inputs per group of a Q4_1 block
 @functools.cache
 def _kernel():
     lib = compiled(SOURCE)
-    lib.q4_dot.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                           ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
-    lib.q4_dot.restype = None
-    return lib.q4_dot
+    pointer, size = ctypes.c_void_p, ctypes.c_int64
+    lib.q4_dot.argtypes = [pointer, size, size, pointer, pointer, pointer, pointer, size, ctypes.c_int]
+    lib.q4_dot_floats.argtypes = [pointer, size, size, pointer, ctypes.c_float, pointer, pointer, pointer, pointer,
+                                  pointer, size, ctypes.c_int]
+    for function in (lib.q4_dot, lib.q4_dot_floats):
+        function.restype = None
+    return lib
 
 
-def pack(blocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A ``weight_formats.Q4Blocks`` in the kernel's layout: codes (N / 16, K / 4, 32) bytes, two
-    input pairs for 16 outputs in each run of 32 (see the C++), scales and minimums (N / 16, K / 32, 16)."""
+GROUP_BYTES = 320  # one group of 32 inputs for 16 outputs: codes 256 bytes, then 16 fp16 scales and minimums
+
+
+def pack(blocks) -> torch.Tensor:
+    """A ``weight_formats.Q4Blocks`` in the kernel's layout, (N / 16, K / 32, 320) bytes: per group
+    of 32 inputs and 16 outputs, four runs of 32 16-bit words (word 2 j + s of run t: output j's
+    input 8 t + 2 v + s in nibble v), then the outputs' scales and minimums in fp16 (the file's)."""
     n, k = blocks.q.shape
-    q = blocks.q.to(torch.uint8).reshape(n // BLOCK, BLOCK, k // 4, 2, 2)  # block, output, quad, half, s
-    codes = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).permute(0, 2, 1, 3).reshape(n // BLOCK, k // 4, 2 * BLOCK)
+    q = blocks.q.to(torch.int32).reshape(n // BLOCK, BLOCK, k // GROUP, 4, 4, 2)  # block, output, group, t, v, s
+    words = (q << torch.tensor([0, 4, 8, 12]).view(4, 1)).sum(-2)  # nibble v of each (output, t, s) word
+    codes = words.permute(0, 2, 3, 1, 4).reshape(n // BLOCK, k // GROUP, 4 * 2 * BLOCK).to(torch.uint16)
 
     def per_block(values: torch.Tensor) -> torch.Tensor:
-        return values.float().reshape(n // BLOCK, BLOCK, k // GROUP).permute(0, 2, 1).contiguous()
+        half = values.half()
+        if not torch.equal(half.float(), values.float()):
+            raise ValueError("q4_dot takes Q4_1 scales and minimums that are fp16 numbers, as a GGUF stores them")
+        return half.reshape(n // BLOCK, BLOCK, k // GROUP).permute(0, 2, 1)
 
-    return codes.contiguous(), per_block(blocks.d), per_block(blocks.m)
+    parts = (codes, per_block(blocks.d), per_block(blocks.m))
+    return torch.cat([part.contiguous().view(torch.uint8) for part in parts], dim=-1).contiguous()
 
 
 class Q4DotWeight:
     """``x @ w.T`` for ``blocks`` (``weight_formats.Q4Blocks``), the rows rounded to bf16, the
-    sums in fp32, the result in ``x``'s dtype: a drop-in kernel for ``weight_formats.QuantizedLinear``."""
+    sums in fp32, the result in ``x``'s dtype: a drop-in kernel for ``weight_formats.QuantizedLinear``.
+    ``rows`` and ``floats`` are the calls without conversions that ``q4_layers`` makes, a residual
+    added in the same pass."""
 
     fmt = "int4"
 
     def __init__(self, blocks) -> None:
         self.shape = tuple(blocks.q.shape)
-        self.codes, self.scales, self.minimums = pack(blocks)
-        self._kernel = _kernel()
+        self.packed = pack(blocks)
+        lib = _kernel()
+        self._kernel, self._floats = lib.q4_dot, lib.q4_dot_floats
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.shape[1]).to(torch.bfloat16).contiguous()
+        return self.rows(rows).to(x.dtype).view(*x.shape[:-1], self.shape[0])
+
+    def rows(self, rows: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+        """The product of contiguous bf16 ``rows`` (M, K), plus contiguous fp32 ``add`` (M, N), in fp32."""
         n, k = self.shape
-        rows = x.reshape(-1, k).to(torch.bfloat16).contiguous()
         sums = torch.empty(rows.shape[0], k // GROUP)
         out = torch.empty(rows.shape[0], n)
-        self._kernel(rows.data_ptr(), rows.shape[0], k, self.codes.data_ptr(), self.scales.data_ptr(),
-                     self.minimums.data_ptr(), sums.data_ptr(), out.data_ptr(), n, torch.get_num_threads())
-        return out.to(x.dtype).view(*x.shape[:-1], n)
+        self._kernel(rows.data_ptr(), rows.shape[0], k, self.packed.data_ptr(), sums.data_ptr(),
+                     None if add is None else add.data_ptr(), out.data_ptr(), n, torch.get_num_threads())
+        return out
+
+    def floats(self, x: torch.Tensor, norm: torch.Tensor | None = None, eps: float = 0.0,
+               add: torch.Tensor | None = None) -> torch.Tensor:
+        """The product of contiguous fp32 rows ``x`` (M, K), rounded to bf16 in the kernel, after
+        ``FastTarget.norm``'s RMS norm where ``norm`` (fp32 (K,)) is given; plus contiguous fp32
+        ``add`` (M, N); in fp32."""
+        n, k = self.shape
+        m = x.shape[0]
+        scratch = torch.empty(m, k, dtype=torch.bfloat16)
+        sums = torch.empty(m, k // GROUP)
+        out = torch.empty(m, n)
+        self._floats(x.data_ptr(), m, k, None if norm is None else norm.data_ptr(), eps, scratch.data_ptr(),
+                     self.packed.data_ptr(), sums.data_ptr(), None if add is None else add.data_ptr(), out.data_ptr(),
+                     n, torch.get_num_threads())
+        return out
 
 
 def q4_dot_weight(blocks) -> tuple[Q4DotWeight | None, str | None]:
@@ -82,7 +116,7 @@ def q4_dot_weight(blocks) -> tuple[Q4DotWeight | None, str | None]:
         return None, f"a {n}x{k} matrix (it takes matrices of 16 outputs and groups of 32 inputs)"
     try:
         kernel = Q4DotWeight(blocks)
-    except (OSError, RuntimeError) as exc:  # the compiler or the loader failed: PyTorch's int4 kernel runs
+    except (OSError, RuntimeError, ValueError) as exc:  # the compiler or loader failed, or scales not fp16: PyTorch's int4 kernel runs
         return None, f"building the kernel failed: {type(exc).__name__}: {str(exc)[:200]}"
     probe = probe_rows(k, torch.float32)
     with torch.inference_mode():

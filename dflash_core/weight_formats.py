@@ -274,11 +274,12 @@ DYNAMIC_MATRICES = ("qkv", "o", "gate_up")
 
 
 def quantize_q4(weight: torch.Tensor) -> Q4Blocks:
-    """Q4_1-style asymmetric quantization (groups of 32 along the input dimension)."""
+    """Q4_1 quantization (groups of 32 along the input dimension, asymmetric), its scales and
+    minimums fp16 numbers as a GGUF stores them."""
     n, k = weight.shape
     w = weight.view(n, k // GROUP, GROUP)
-    lo, hi = w.amin(-1), w.amax(-1)
-    d = ((hi - lo) / 15).clamp_min(1e-8)
+    lo, hi = w.amin(-1).half().float(), w.amax(-1)
+    d = ((hi - lo) / 15).clamp_min(1e-7).half().float()
     q = ((w - lo[..., None]) / d[..., None]).round().clamp(0, 15).to(torch.int32).view(n, k)
     return Q4Blocks(q, d, lo)
 

@@ -22,15 +22,26 @@ def blocks(out_features: int, in_features: int, seed: int = 0) -> Q4Blocks:
                     (-torch.rand(groups, generator=generator) * 0.08).half().float())
 
 
-def test_codes_are_packed_two_input_pairs_for_sixteen_outputs_at_a_time():
-    q = Q4Blocks(torch.arange(16 * 32).reshape(16, 32) % 16, torch.ones(16, 1), torch.zeros(16, 1))
-    codes, scales, minimums = q4_dot.pack(q)
-    assert codes.shape == (1, 8, 32) and scales.shape == minimums.shape == (1, 1, 16)
-    # quad 1 (inputs 4..7): byte 2 j + s holds output j's input 4 + s (low nibble) and 6 + s (high)
+def test_a_group_is_packed_as_four_input_pairs_per_load_then_the_files_fp16_scales_and_minimums():
+    q = Q4Blocks(torch.arange(16 * 64).reshape(16, 64) % 16, torch.full((16, 2), 0.5), torch.full((16, 2), -2.0))
+    q.d[3, 1], q.m[5, 1] = 0.25, -1.5
+    packed = q4_dot.pack(q)
+    assert packed.shape == (1, 2, q4_dot.GROUP_BYTES) and packed.dtype == torch.uint8
+    group = packed[0, 1]  # inputs 32..63
+    words = group[:256].view(torch.uint16).view(4, 32)
+    # run 1 (inputs 40..47): word 2 j + s holds output j's input 40 + 2 v + s in nibble v
     for j in range(16):
         for s in range(2):
-            byte = int(codes[0, 1, 2 * j + s])
-            assert (byte & 15, byte >> 4) == (int(q.q[j, 4 + s]), int(q.q[j, 6 + s]))
+            word = int(words[1, 2 * j + s])
+            assert [(word >> 4 * v) & 15 for v in range(4)] == [int(q.q[j, 40 + 2 * v + s]) for v in range(4)]
+    scales, minimums = group[256:288].view(torch.float16), group[288:].view(torch.float16)
+    assert torch.equal(scales.float(), q.d[:, 1]) and torch.equal(minimums.float(), q.m[:, 1])
+
+
+def test_scales_that_are_not_fp16_numbers_are_refused():
+    q = Q4Blocks(torch.zeros(16, 32, dtype=torch.int32), torch.full((16, 1), 0.1), torch.zeros(16, 1))
+    with pytest.raises(ValueError, match="fp16"):
+        q4_dot.pack(q)
 
 
 @needs_kernel

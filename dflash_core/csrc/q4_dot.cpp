@@ -1,23 +1,35 @@
 // y = x @ w.T for a GGUF Q4_1 matrix, w[n, k] = d[n, g] * q[n, k] + m[n, g] over groups g of 32
 // inputs: rows x (M, K) in bf16, the file's own 4-bit codes and its scales and minimums (fp16 in
-// the file, fp32 here: exact); fp32 out. Built by dflash_core/q4_dot.py for CPUs with AVX512-BF16.
+// the file: exact in fp32); fp32 out. Built by dflash_core/q4_dot.py for CPUs with AVX512-BF16.
 //
-// Per group, sum(x * w) = d * sum(x * q) + m * sum(x): the codes become bf16 through one vpermw
-// from a 16-entry table (exact), sum(x * q) runs on vdpbf16ps, and each row's sum(x) over the
-// group is added once per output. Every output is summed in one fixed order whatever the number of
-// rows: a row's numbers never depend on the rows beside it (q4_dot.py's probe checks it too).
+// A code q becomes the bf16 number 1 + q / 16 by putting it into the mantissa of 1.0 (one shift,
+// one vpternlog: exact), so per group
+//   sum(x * w) = d * sum(x * q) + m * sum(x) = 16 d * sum(x * (1 + q / 16)) + (m - 16 d) * sum(x),
+// the sum of products on vdpbf16ps and each row's sum(x) over the group added once per output.
+// Every output is summed in one fixed order whatever the number of rows: a row's numbers never
+// depend on the rows beside it (q4_dot.py's probe checks it too).
 //
-// Codes packed (N / 16, K / 4, 32) bytes: byte j of (block nb, quad t) holds, for output
-// 16 nb + j / 2 and s = j % 2, input 4 t + s in its low nibble and input 4 t + 2 + s in its high
-// one: one 256-bit load gives two input pairs for 16 outputs, as vdpbf16ps pairs them. Scales and
-// minimums (N / 16, K / 32, 16).
+// At one or two rows the kernel is bound by reading the weights, so they are read as the file
+// stores them, 20 bytes per 32 weights, in one stream per 16 outputs: packed (N / 16, K / 32, 320)
+// bytes, each group's run of 320 the codes (four runs of 32 16-bit words: word 2 j + s of run t
+// holds, for output 16 nb + j, input 8 t + 2 v + s of the group in its nibble v, v = 0..3; one
+// 512-bit load gives four input pairs for 16 outputs, as vdpbf16ps pairs them), then the 16
+// outputs' fp16 scales, then their fp16 minimums.
+//
+// q4_dot_floats takes fp32 rows instead and rounds them to bf16 first (to nearest even, as
+// PyTorch does), after an RMS norm where given one (a decoder layer's norm before its QKV or
+// gate/up matrices: one pass over the rows instead of PyTorch's half a dozen ops); both entries add
+// an optional fp32 residual (M, N) to the result.
 #include <immintrin.h>
 #include <omp.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
 namespace {
+
+constexpr int64_t GROUP_BYTES = 320;  // a group of 32 inputs for 16 outputs: codes 256, d 32, m 32
 
 float bf16_value(uint16_t bits) {
   const uint32_t wide = static_cast<uint32_t>(bits) << 16;
@@ -26,40 +38,45 @@ float bf16_value(uint16_t bits) {
   return value;
 }
 
+// Nibble V of every 16-bit word of w as the bf16 number 1 + q / 16: q moved to mantissa bits 3..6,
+// then (w & 0x78) | 0x3F80 in one vpternlog (0xEA: (a & b) | c).
+template <int V>
+inline __m512bh decode(__m512i w) {
+  const __m512i moved = V == 0 ? _mm512_slli_epi16(w, 3) : _mm512_srli_epi16(w, 4 * V - 3);
+  return (__m512bh)_mm512_ternarylogic_epi32(moved, _mm512_set1_epi16(0x78), _mm512_set1_epi16(0x3F80), 0xEA);
+}
+
 // MB rows times NB blocks of 16 outputs starting at block nb0.
 template <int MB, int NB>
-void tile(const uint16_t* x, const float* xsum, int64_t K, const uint8_t* q, const float* d, const float* mins,
-          float* y, int64_t N, int64_t nb0, __m512i table) {
+void tile(const uint16_t* x, const float* xsum, int64_t K, const uint8_t* q, const float* add, float* y, int64_t N,
+          int64_t nb0) {
   __m512 total[MB][NB], group[MB][NB];
   for (int m = 0; m < MB; ++m)
     for (int j = 0; j < NB; ++j) total[m][j] = _mm512_setzero_ps();
-  const int64_t quads = K / 4, groups = K / 32;
-  const __m512i nibble = _mm512_set1_epi16(0x0F);
+  const int64_t groups = K / 32;
   for (int64_t g = 0; g < groups; ++g) {
     for (int m = 0; m < MB; ++m)
       for (int j = 0; j < NB; ++j) group[m][j] = _mm512_setzero_ps();
-    for (int64_t t = g * 8; t < g * 8 + 8; ++t) {
-      __m512bh low[NB], high[NB];
-      for (int j = 0; j < NB; ++j) {
-        const __m512i codes = _mm512_cvtepu8_epi16(
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + ((nb0 + j) * quads + t) * 32)));
-        low[j] = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(codes, nibble), table);
-        high[j] = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(codes, 4), table);
-      }
-      for (int m = 0; m < MB; ++m) {
-        int32_t first, second;
-        std::memcpy(&first, x + m * K + 4 * t, sizeof first);
-        std::memcpy(&second, x + m * K + 4 * t + 2, sizeof second);
-        const __m512bh a = (__m512bh)_mm512_set1_epi32(first), b = (__m512bh)_mm512_set1_epi32(second);
-        for (int j = 0; j < NB; ++j) {
-          group[m][j] = _mm512_dpbf16_ps(group[m][j], a, low[j]);
-          group[m][j] = _mm512_dpbf16_ps(group[m][j], b, high[j]);
-        }
+    for (int j = 0; j < NB; ++j) {
+      const uint8_t* run = q + ((nb0 + j) * groups + g) * GROUP_BYTES;
+      for (int t = 0; t < 4; ++t) {
+        const __m512i w = _mm512_loadu_si512(run + 64 * t);
+        const __m512bh codes[4] = {decode<0>(w), decode<1>(w), decode<2>(w), decode<3>(w)};
+        for (int m = 0; m < MB; ++m)
+          for (int v = 0; v < 4; ++v) {
+            int32_t pair;
+            std::memcpy(&pair, x + m * K + 32 * g + 8 * t + 2 * v, sizeof pair);
+            group[m][j] = _mm512_dpbf16_ps(group[m][j], (__m512bh)_mm512_set1_epi32(pair), codes[v]);
+          }
       }
     }
     for (int j = 0; j < NB; ++j) {
-      const __m512 scale = _mm512_loadu_ps(d + ((nb0 + j) * groups + g) * 16);
-      const __m512 minimum = _mm512_loadu_ps(mins + ((nb0 + j) * groups + g) * 16);
+      // the file's fp16 scale d and minimum m: the kernel multiplies 1 + q / 16, so 16 d and m - 16 d
+      const uint8_t* run = q + ((nb0 + j) * groups + g) * GROUP_BYTES;
+      const __m512 scale = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(run + 256))),
+                                         _mm512_set1_ps(16.0f));
+      const __m512 minimum =
+          _mm512_sub_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(run + 288))), scale);
       for (int m = 0; m < MB; ++m) {
         total[m][j] = _mm512_fmadd_ps(group[m][j], scale, total[m][j]);
         total[m][j] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[m * groups + g]), minimum, total[m][j]);
@@ -67,46 +84,64 @@ void tile(const uint16_t* x, const float* xsum, int64_t K, const uint8_t* q, con
     }
   }
   for (int j = 0; j < NB; ++j)
-    for (int m = 0; m < MB; ++m) _mm512_storeu_ps(y + m * N + (nb0 + j) * 16, total[m][j]);
+    for (int m = 0; m < MB; ++m) {
+      const int64_t at = m * N + (nb0 + j) * 16;
+      _mm512_storeu_ps(y + at, add ? _mm512_add_ps(total[m][j], _mm512_loadu_ps(add + at)) : total[m][j]);
+    }
 }
 
 // Up to 8 rows (two sets of accumulators each): fewer rows take more output blocks at once.
 template <int MB>
-void rows(const uint16_t* x, const float* xsum, int64_t K, const uint8_t* q, const float* d, const float* mins,
-          float* y, int64_t N, int threads, __m512i table) {
+void rows(const uint16_t* x, const float* xsum, int64_t K, const uint8_t* q, const float* add, float* y, int64_t N,
+          int threads) {
   constexpr int NB = MB <= 1 ? 8 : (MB <= 2 ? 4 : (MB <= 4 ? 2 : 1));
   const int64_t blocks = N / 16;
   const int64_t sets = blocks / NB;
 #pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t s = 0; s < sets; ++s) tile<MB, NB>(x, xsum, K, q, d, mins, y, N, s * NB, table);
-  for (int64_t nb = sets * NB; nb < blocks; ++nb) tile<MB, 1>(x, xsum, K, q, d, mins, y, N, nb, table);
+  for (int64_t s = 0; s < sets; ++s) tile<MB, NB>(x, xsum, K, q, add, y, N, s * NB);
+  for (int64_t nb = sets * NB; nb < blocks; ++nb) tile<MB, 1>(x, xsum, K, q, add, y, N, nb);
 }
 
-using RowsFn = void (*)(const uint16_t*, const float*, int64_t, const uint8_t*, const float*, const float*, float*,
-                        int64_t, int, __m512i);
+using RowsFn = void (*)(const uint16_t*, const float*, int64_t, const uint8_t*, const float*, float*, int64_t, int);
 constexpr RowsFn BY_ROWS[9] = {nullptr, rows<1>, rows<2>, rows<3>, rows<4>, rows<5>, rows<6>, rows<7>, rows<8>};
+
+uint16_t bf16_bits(float value) {  // to nearest, ties to even (finite values)
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof bits);
+  return static_cast<uint16_t>((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+}
 
 }  // namespace
 
-// xsum: scratch of M * K / 32 floats (each row's sum over each group, in order).
-extern "C" void q4_dot(const uint16_t* x, int64_t M, int64_t K, const uint8_t* q, const float* d, const float* mins,
-                       float* xsum, float* y, int64_t N, int threads) {
+// xsum: scratch of M * K / 32 floats (each row's sum over each group, in order); add: null or
+// (M, N) fp32 added to the result.
+extern "C" void q4_dot(const uint16_t* x, int64_t M, int64_t K, const uint8_t* q, float* xsum, const float* add,
+                       float* y, int64_t N, int threads) {
   const int64_t groups = K / 32;
   for (int64_t i = 0; i < M * groups; ++i) {
     float sum = 0.0f;
     for (int k = 0; k < 32; ++k) sum += bf16_value(x[i * 32 + k]);
     xsum[i] = sum;
   }
-  alignas(64) uint16_t values[32];
-  for (int v = 0; v < 32; ++v) {
-    const float f = static_cast<float>(v & 15);
-    uint32_t bits;
-    std::memcpy(&bits, &f, sizeof bits);
-    values[v] = static_cast<uint16_t>(bits >> 16);  // exact: 0..15 need 4 bits
-  }
-  const __m512i table = _mm512_load_si512(values);
   for (int64_t m0 = 0; m0 < M; m0 += 8) {
     const int64_t mb = M - m0 < 8 ? M - m0 : 8;
-    BY_ROWS[mb](x + m0 * K, xsum + m0 * groups, K, q, d, mins, y + m0 * N, N, threads, table);
+    BY_ROWS[mb](x + m0 * K, xsum + m0 * groups, K, q, add ? add + m0 * N : nullptr, y + m0 * N, N, threads);
   }
+}
+
+// q4_dot of fp32 rows x (M, K), rounded to bf16 into the scratch ``rows`` (M, K) after
+// FastTarget.norm's RMS norm where ``norm`` (K) is given: weight * (x * 1 / sqrt(mean(x^2) + eps)).
+extern "C" void q4_dot_floats(const float* x, int64_t M, int64_t K, const float* norm, float eps, uint16_t* rows,
+                              const uint8_t* q, float* xsum, const float* add, float* y, int64_t N, int threads) {
+  for (int64_t m = 0; m < M; ++m) {
+    const float* row = x + m * K;
+    float scale = 1.0f;
+    if (norm) {
+      float squares = 0.0f;
+      for (int64_t k = 0; k < K; ++k) squares += row[k] * row[k];
+      scale = 1.0f / std::sqrt(squares / static_cast<float>(K) + eps);
+    }
+    for (int64_t k = 0; k < K; ++k) rows[m * K + k] = bf16_bits(norm ? norm[k] * (row[k] * scale) : row[k]);
+  }
+  q4_dot(rows, M, K, q, xsum, add, y, N, threads);
 }
