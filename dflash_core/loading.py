@@ -353,7 +353,9 @@ def load_drafter(
         from .aoti_kernels import drafter_kernels
 
         weights = getattr(runner, "weight_format", "bf16")
-        int8 = weights in ("int8", "w8a8")  # the drafter's matrices: weight-only int8
+        # the drafter's matrices: weight-only int8 beside quantized target layers (int4's too: the
+        # drafter has no Q4_1 file, and its rounding moves acceptance only)
+        int8 = weights in ("int8", "w8a8", "int4")
         matrices = drafter_kernels(drafter, int8)  # first: the compiled layers' probe compares with these
         # its compiled layers as the target's: w8a8's rows in int8 too (a drafter's rounding moves acceptance only)
         layers = compile_drafter_layers(drafter, "w8a8" if weights == "w8a8" else "int8" if int8 else "float32")

@@ -40,7 +40,7 @@ from .aoti_attention import MIN_CALL_ROWS, eager_attention
 from .aoti_kernels import KERNELS
 from .kernels import padded_rows
 from . import cuda_graphs
-from .aoti_layers import CompiledLayer, HalfThenDown
+from .aoti_layers import CompiledHalf, CompiledLayer
 from .families import ADAPTERS, FusedLayer, fast_path_reason
 from .int8_dot import Int8DotWeight, int8_dot_weight
 from .kv_cache import KVCache, round_capacity
@@ -265,6 +265,14 @@ class FastTarget:
 
             missing = w8a8_rows()[1]
             weights = "int8" if missing else weights
+        elif weights == "int4" and kernels == "aoti" and self.device.type == "cpu":
+            # PyTorch's own int4 kernel costs several 2-row passes for a 16-row one (docs/BENCHMARKS.md):
+            # where q4_dot cannot run, the compiled int8 layers run instead.
+            from .int8_dot import cannot_run
+
+            why = cannot_run()
+            missing = f"q4_dot cannot run: {why}" if why else None
+            weights = "int8" if missing else weights
         if weights != "bf16":
             if asked == "w8a8" and calibration_ids is None:
                 raise ValueError("weights = 'w8a8' needs calibration_ids: token ids of a text whose activation maxima "
@@ -294,11 +302,11 @@ class FastTarget:
                                 "logits independent of the size of its pass on this CPU")
             self.min_rows, self.batch_invariant = self._probe_min_rows()
         if self.weight_format != "bf16" and not self.batch_invariant:
-            asked = self.weight_format
+            ran = self.weight_format
             self.layers, self.weight_format = bf16_layers, "bf16"
             self.min_rows, self.batch_invariant = self._probe_min_rows()
-            self.weight_note = (f"asked for {asked}, running bf16: with {asked} kernels no padding made a position's "
-                                "logits independent of the size of its pass on this CPU")
+            self.weight_note = (f"asked for {asked}, running bf16: {f'{missing}; ' if missing else ''}with {ran} kernels "
+                                "no padding made a position's logits independent of the size of its pass on this CPU")
         if cuda_graphs.wanted(self.device):
             self.graphs = cuda_graphs.CudaGraphs(self)
 
@@ -306,8 +314,10 @@ class FastTarget:
         """Every matrix (the layers' and the LM head) through inductor's C++ GEMM where its probe
         allows (``aoti_kernels``): fp32 matrices as they are, the layers' int8 weight-only ones
         (``weights = "int8"``) through its int8 GEMM; returns (kernels, note)."""
-        from . import aoti_attention, aoti_kernels, aoti_layers
+        from . import aoti_attention, aoti_kernels, aoti_layers, q4_layers
 
+        if self.weight_format == "int4" and self.device.type == "cpu":
+            return self._q4_layers(aoti_kernels, aoti_attention, q4_layers)
         if self.weight_format not in ("bf16", "int8", "w8a8"):
             return "onednn", f"asked for aoti, running oneDNN: the layers run {self.weight_format} kernels (no C++ GEMM for them)"
         if self.device.type != "cpu" or not aoti_kernels.available():
@@ -315,10 +325,7 @@ class FastTarget:
         # Whole layers first (the element-wise work fused around the GEMMs); else matrix by matrix.
         compiled, layers_note = aoti_layers.compiled_layers(self)
         head_why = self._aoti_head(aoti_kernels)
-        head_note = "the LM head " + (f"on oneDNN ({head_why})" if head_why else
-                                      "int8 through bf16 dot products" if isinstance(getattr(self._lm_head, "kernel", None), Int8DotWeight)
-                                      else "int8 through the int8 GEMM" if self.weight_format in ("int8", "w8a8")
-                                      else "through the C++ GEMM")
+        head_note = f"the LM head {self._head_note(head_why)}"
         if compiled is not None:
             self.layers, self.compiled_layers = compiled, True
             self.attention, attention_note = aoti_attention.compiled_attention(self)
@@ -349,10 +356,30 @@ class FastTarget:
         note += f"; layers not compiled whole: {layers_note}"
         return "aoti", note + (f"; the others run their own kernels ({refused[0]})" if refused else "")
 
+    def _q4_layers(self, aoti_kernels, aoti_attention, q4_layers) -> tuple[str, str]:
+        """A Q4_1 GGUF's layers on ``q4_dot`` with the work between the products fused into their
+        calls (``q4_layers``), attention and the LM head compiled where they run; returns (kernels, note)."""
+        layers, note = q4_layers.q4_layers(self)
+        head = f"the LM head {self._head_note(self._aoti_head(aoti_kernels))}"
+        if layers is None:
+            return "aoti", f"the int4 layers eager ({note}); {head}"
+        self.layers, self.compiled_layers = layers, True
+        self.attention, attention_note = aoti_attention.compiled_attention(self)
+        if self.attention is None:
+            attention_note = f"attention eager ({attention_note})"
+        return "aoti", f"{note}; {attention_note}; {head}"
+
+    def _head_note(self, why: str | None) -> str:
+        if why:
+            return f"on oneDNN ({why})"
+        if isinstance(getattr(self._lm_head, "kernel", None), Int8DotWeight):
+            return "int8 through bf16 dot products"
+        return "int8 through the int8 GEMM" if self.weight_format != "bf16" else "through the C++ GEMM"
+
     def _aoti_head(self, aoti_kernels) -> str | None:
         """The LM head through the C++ GEMM (the int8 one where the layers run int8: the head's
         113 MB in fp32 was then a step's largest read); why not, where it stays as it was."""
-        if self.weight_format in ("int8", "w8a8"):
+        if self.weight_format in ("int8", "w8a8", "int4"):
             int8 = QuantizedLinear(Int8Weight(self._lm_head_weight, self.dtype))
             dot, _ = int8_dot_weight(int8.kernel)  # where it does not run, inductor's int8 GEMM
             head, why = (QuantizedLinear(dot), None) if dot else aoti_kernels.aoti_int8_linear(int8)
@@ -571,13 +598,14 @@ class FastTarget:
         attend, columns = attention.runner.run, runs[0][2]
         direct = len(runs) == 1 and len(rows) >= MIN_CALL_ROWS  # else the wrapper splits and pads the calls
         for li, layer in enumerate(self.layers):
-            q, k, v = layer.before.runner.run([x, cos, sin])
+            before = layer.before
+            q, k, v = before.runner.run([x, cos, sin]) if isinstance(before, CompiledHalf) else before(x, cos, sin)
             if direct:
                 att = attend([q.contiguous(), k.contiguous(), v.contiguous(), keys[li], values[li], rows, columns])[0]
             else:
                 att = attention(q, k, v, keys[li], values[li], rows, runs)
             after = layer.after
-            x = after(x, att) if isinstance(after, HalfThenDown) else after.runner.run([x, att.contiguous()])[0]
+            x = after.runner.run([x, att.contiguous()])[0] if isinstance(after, CompiledHalf) else after(x, att)
             if li in wanted:
                 feats[wanted[li]] = x[:real]
         return x

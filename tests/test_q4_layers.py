@@ -1,0 +1,120 @@
+"""A Q4_1 model's decoder layers on ``q4_dot`` with the norms and residual adds inside the products
+(``q4_layers``, what ``weights = "int4"`` with ``kernels = "aoti"`` runs on an fp32 target): the
+eager layers' numbers to rounding, lossless (greedy chains and trees), the probe refusing a wrong
+fusion, and the int8 layers where q4_dot cannot run, with the reason in the load note."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import fields
+
+import pytest
+import torch
+
+from dflash_core import aoti_attention, aoti_kernels, int8_dot, q4_dot, q4_layers
+from dflash_core.families import FusedLayer
+from dflash_core.kv_cache import KVCache
+from dflash_core.target import FastTarget
+from dflash_core.testing import (PROMPTS, assert_greedy_lossless, assert_greedy_tree_lossless, assert_same_logits,
+                                 assert_tree_nodes_are_their_paths, tiny_target, two_shape_llama)
+
+needs_kernels = pytest.mark.skipif(int8_dot.cannot_run() is not None or not aoti_kernels.available(),
+                                   reason=f"q4_dot or AOTInductor cannot run here: {int8_dot.cannot_run()}")
+NOTE = "3 of 3 decoder layers on the GGUF's Q4_1 codes with their norms and residual adds inside the products"
+
+
+def tiny_qwen2() -> torch.nn.Module:
+    """A tiny Qwen2: biases on q, k and v (added after the fused QKV product)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6,
+                         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model = Qwen2ForCausalLM(config)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.bias.normal_()
+    return model.eval()
+
+
+def eager_twin(runner: FastTarget) -> FastTarget:
+    """``runner`` with its layers eager (the same q4_dot products, the norms, adds and attention in
+    PyTorch) and a cache of its own; its head, the same. (A target built eager would not do: an
+    fp32 target's oneDNN head gives a row other numbers with the size of its pass on some CPUs, and
+    the probe then runs it bf16.)"""
+    twin = copy.copy(runner)
+    twin.layers = [FusedLayer(**{f.name: getattr(layer, f.name) for f in fields(FusedLayer)}) for layer in runner.layers]
+    twin.attention, twin.compiled_layers = None, False
+    twin.cache = KVCache(runner.num_layers, runner.num_kv_heads, runner.head_dim, runner.dtype, runner.device)
+    return twin
+
+
+@needs_kernels
+@pytest.mark.slow
+def test_fused_layers_are_the_eager_int4_layers_and_lossless(kernel_cache):
+    model = two_shape_llama()
+    runner = FastTarget(model, weights="int4", kernels="aoti")
+    assert runner.weight_format == "int4" and runner.weight_note.startswith("int4, groups of 32")
+    head = "int8 through bf16 dot products" if int8_dot.unavailable() is None else "int8 through the int8 GEMM"
+    assert runner.kernel_note == f"{NOTE}; attention compiled; the LM head {head}"
+    assert all(isinstance(layer.before, q4_layers.Q4Before) and isinstance(layer.after, q4_layers.Q4After)
+               for layer in runner.layers)
+    assert isinstance(runner.attention, aoti_attention.CompiledAttention) and runner.batch_invariant
+    # The eager layers of the same products: the same logits to rounding.
+    assert_same_logits(runner, eager_twin(runner), PROMPTS[0], 1e-3)
+    assert_greedy_lossless(runner, model, max_new_tokens=90)
+    assert_tree_nodes_are_their_paths(runner, PROMPTS[0][:-1], seeds=range(3))
+    assert_tree_nodes_are_their_paths(runner, list(range(4, 64)), seeds=range(3))
+    assert_greedy_tree_lossless(runner, model, max_new_tokens=60)
+
+
+@needs_kernels
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_qkv_biases_and_qk_norms_are_applied_too(family, kernel_cache):
+    model = tiny_qwen2() if family == "qwen2" else tiny_target("qwen3", layers=3)
+    runner = FastTarget(model, weights="int4", kernels="aoti")
+    assert runner.kernel_note.startswith(NOTE), runner.kernel_note
+    assert_same_logits(runner, eager_twin(runner), PROMPTS[0], 1e-3)
+    assert_greedy_lossless(runner, model, max_new_tokens=40)
+
+
+@needs_kernels
+def test_a_fusion_that_changes_the_numbers_is_refused_and_the_eager_layers_run(monkeypatch, kernel_cache):
+    model = two_shape_llama()
+
+    def without_residual(self, x, attention):  # a broken fusion: the residual after O forgotten
+        x = self.o.floats(attention.contiguous())
+        gate, up = self.gate_up.floats(x, self.ln2, self.eps).chunk(2, dim=-1)
+        return self.down.rows((torch.nn.functional.silu(gate) * up).to(torch.bfloat16), add=x)
+
+    monkeypatch.setattr(q4_layers.Q4After, "__call__", without_residual)
+    runner = FastTarget(model, weights="int4", kernels="aoti")
+    assert runner.weight_format == "int4" and not runner.compiled_layers
+    assert runner.kernel_note.startswith("the int4 layers eager (layer 0's fused finish is not the eager one); "
+                                         "the LM head int8 through")
+    assert_greedy_lossless(runner, model, max_new_tokens=20)
+
+
+def test_layers_that_do_not_run_q4_dot_are_refused_with_the_reason(monkeypatch):
+    model = two_shape_llama()
+    monkeypatch.setattr(q4_dot, "cannot_run", lambda: "no AVX512-BF16 today")  # PyTorch's int4 kernel runs
+    eager = FastTarget(model, weights="int4")
+    assert q4_layers.q4_layers(eager) == (None, "layer 0's qkv does not run q4_dot")
+    bf16 = FastTarget(two_shape_llama().to(torch.bfloat16), weights="int4")
+    assert q4_layers.layers_refusal(bf16) == "only fp32 targets on CPU run them, not torch.bfloat16 on cpu"
+
+
+def test_where_q4_dot_cannot_run_the_int8_layers_run_and_the_note_says_why(monkeypatch):
+    monkeypatch.setattr(int8_dot, "cannot_run", lambda: "this CPU has no AVX512-BF16")
+    monkeypatch.setenv("DFLASH_AOTI_WHOLE_LAYERS", "0")  # no kernel builds: the fallback's choice is what is tested
+    monkeypatch.setattr(aoti_kernels, "available", lambda: False)
+    runner = FastTarget(two_shape_llama(), weights="int4", kernels="aoti")
+    missing = "q4_dot cannot run: this CPU has no AVX512-BF16"
+    if runner.weight_format == "int8":
+        assert runner.weight_note.startswith(f"asked for int4, running int8 ({missing}): int8, one scale per output channel")
+    else:  # eager int8 (no compiled kernels here) whose rows depend on their company on this CPU: both reasons
+        assert runner.weight_note == (f"asked for int4, running bf16: {missing}; with int8 kernels no padding made a "
+                                      "position's logits independent of the size of its pass on this CPU")
