@@ -2,11 +2,14 @@
 
 ``weights = "int4"`` runs a Q4_1 GGUF's own 4-bit codes. PyTorch's int4 kernel
 (``weight_formats.Int4Weight``) takes the groups' scales and zero points in bf16, which rounds the
-file's fp16 ones, and a 16-row pass costs several 2-row ones. ``csrc/q4_dot.cpp`` keeps the file's
-scales and minimums (fp32: exact) and computes each group as ``d * sum(x * q) + m * sum(x)``, the
-codes turned into bf16 by a table lookup and multiplied with ``vdpbf16ps`` (``int8_dot``'s
-approach, half its bytes): on the EPYC measured, faster than both int8 kernels at one and two rows
-and about ``int8_dot``'s speed at sixteen (``scripts/int8_dot_speed.py``; docs/BENCHMARKS-AMD.md). Built like ``int8_dot``'s kernel
+file's fp16 ones, and a 16-row pass costs several 2-row ones. ``csrc/q4_dot.cpp`` reads the
+file's codes, fp16 scales and minimums as the file stores them (20 bytes per 32 weights) and
+computes each group as ``d * sum(x * q) + m * sum(x)``, each code made the bf16 number
+``1 + q / 16`` in two instructions and multiplied with ``vdpbf16ps`` (``int8_dot``'s approach,
+about half its bytes): on the EPYC measured, faster than both int8 kernels at one and two rows and
+about ``int8_dot``'s speed at sixteen (``scripts/int8_dot_speed.py``; docs/BENCHMARKS-AMD.md).
+``q4_layers`` calls it with fp32 rows, the layer's RMS norm and residual add done in the same
+call. Built like ``int8_dot``'s kernel
 (once per machine, the system's compiler) wherever ``int8_dot.cannot_run`` allows, after the
 probe every kernel passes: rows independent of their company, a lone row included, and the
 product of the file's weights to rounding.
@@ -33,7 +36,9 @@ def _kernel():
     lib.q4_dot.argtypes = [pointer, size, size, pointer, pointer, pointer, pointer, size, ctypes.c_int]
     lib.q4_dot_floats.argtypes = [pointer, size, size, pointer, ctypes.c_float, pointer, pointer, pointer, pointer,
                                   pointer, size, ctypes.c_int]
-    for function in (lib.q4_dot, lib.q4_dot_floats):
+    lib.q4_dot_glu.argtypes = [pointer, size, size, pointer, pointer, pointer, pointer, pointer, size, ctypes.c_int]
+    lib.rope_split.argtypes = [pointer, size, size, size, size, pointer, pointer, pointer, pointer, pointer]
+    for function in (lib.q4_dot, lib.q4_dot_floats, lib.q4_dot_glu, lib.rope_split):
         function.restype = None
     return lib
 
@@ -72,7 +77,7 @@ class Q4DotWeight:
         self.shape = tuple(blocks.q.shape)
         self.packed = pack(blocks)
         lib = _kernel()
-        self._kernel, self._floats = lib.q4_dot, lib.q4_dot_floats
+        self._kernel, self._floats, self._glu = lib.q4_dot, lib.q4_dot_floats, lib.q4_dot_glu
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.shape[1]).to(torch.bfloat16).contiguous()
@@ -101,6 +106,32 @@ class Q4DotWeight:
                      self.packed.data_ptr(), sums.data_ptr(), None if add is None else add.data_ptr(), out.data_ptr(),
                      n, torch.get_num_threads())
         return out
+
+
+    def glu(self, gate_up: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+        """The product of the rows SiLU(gate) x up, ``gate_up`` (M, 2 K) contiguous fp32 being a
+        layer's gate and up products side by side, rounded to bf16 in the kernel; plus contiguous
+        fp32 ``add`` (M, N); in fp32."""
+        n, k = self.shape
+        m = gate_up.shape[0]
+        scratch = torch.empty(m, k, dtype=torch.bfloat16)
+        sums = torch.empty(m, k // GROUP)
+        out = torch.empty(m, n)
+        self._glu(gate_up.data_ptr(), m, k, scratch.data_ptr(), self.packed.data_ptr(), sums.data_ptr(),
+                  None if add is None else add.data_ptr(), out.data_ptr(), n, torch.get_num_threads())
+        return out
+
+
+def rope_split(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A layer's QKV product ``qkv`` (T, (heads + 2 kv_heads) D), contiguous fp32, as attention
+    takes it: queries and keys with ``FastTarget.rope`` applied (``cos``, ``sin``: (T, heads +
+    kv_heads, D), contiguous), and values; each contiguous, in one call."""
+    t, d = qkv.shape[0], cos.shape[-1]
+    q, k, v = torch.empty(t, heads, d), torch.empty(t, kv_heads, d), torch.empty(t, kv_heads, d)
+    _kernel().rope_split(qkv.data_ptr(), t, heads, kv_heads, d, cos.data_ptr(), sin.data_ptr(), q.data_ptr(),
+                         k.data_ptr(), v.data_ptr())
+    return q, k, v
 
 
 def q4_dot_weight(blocks) -> tuple[Q4DotWeight | None, str | None]:

@@ -6,9 +6,10 @@ around its four ``q4_dot`` products (norms, residual adds, dtype casts, the prod
 conversions), each dispatched from Python: on SmolLM2 they cost more of a step than the products
 (docs/BENCHMARKS-AMD.md). Here each product takes its rows as the kernel wants them: the RMS
 norms before QKV and gate/up and the rounding of the rows to bf16 run inside ``q4_dot`` (one pass
-over the rows), and the residual adds after O and down run in the products' own passes. What is
-left in PyTorch is rotary, SiLU(gate) x up and attention (``aoti_attention``'s compiled kernel
-where it runs).
+over the rows), the residual adds after O and down run in the products' own passes, SiLU(gate)
+x up in the down product's first pass, and rotary in one call that lays the QKV product out as
+attention takes it (eager where QKV has biases or per-head norms). Attention runs
+``aoti_attention``'s compiled kernel where it runs.
 
 The layers are the eager ones' math on the same kernels, only fused: a probe checks them against
 the eager halves to rounding, and FastTarget's min-rows probe then decides, as for every kernel,
@@ -21,12 +22,11 @@ from __future__ import annotations
 from dataclasses import fields
 
 import torch
-import torch.nn.functional as F
 
 from .aoti_layers import CompiledLayer, close_to_rounding
 from .families import FusedLayer
 from .kernels import probe_rows
-from .q4_dot import Q4DotWeight
+from .q4_dot import Q4DotWeight, rope_split
 from .weight_formats import QuantizedLinear
 
 MATRICES = ("qkv", "o", "gate_up", "down")
@@ -46,6 +46,8 @@ class Q4Before:
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         h, kv, d = self.split
         qkv = self.qkv.floats(x.contiguous(), self.ln1, self.target.eps)
+        if self.bias is None and self.qk_norm is None:  # rotary and the split in one call
+            return rope_split(qkv, cos.contiguous(), sin.contiguous(), h, kv)
         if self.bias is not None:
             qkv = qkv + self.bias
         qkv = qkv.unflatten(-1, (h + 2 * kv, d))
@@ -66,8 +68,7 @@ class Q4After:
 
     def __call__(self, x: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
         x = self.o.floats(attention.contiguous(), add=x.contiguous())
-        gate, up = self.gate_up.floats(x, self.ln2, self.eps).chunk(2, dim=-1)
-        return self.down.rows((F.silu(gate) * up).to(torch.bfloat16), add=x)  # the bf16 rows q4_dot rounds to
+        return self.down.glu(self.gate_up.floats(x, self.ln2, self.eps), add=x)
 
 
 def layers_refusal(target) -> str | None:

@@ -8,7 +8,8 @@ autoregressive step padded to the multi-row threshold; 16: a verify block), each
 the next so every pass sees the same context. Timers sit around each call of the layers' first
 halves (norm, QKV, rotary), the attention, their second halves (O, MLP) and the LM head; the
 rest of a pass (embedding, cache bookkeeping, Python between the calls) is the pass's time
-minus theirs. Only targets whose layers run compiled (``kernels = "aoti"``) are split this way.
+minus theirs; for ``q4_layers``' halves the q4_dot products inside them are timed too ("of
+which"). Only targets whose layers run compiled (``kernels = "aoti"``) are split this way.
 Then the greedy choice of a pass's tokens (``acceptance.argmax``) beside ATen's argmax, timed apart.
 Prints milliseconds per pass and writes ``<out>/parts.json``.
 """
@@ -28,6 +29,9 @@ import torch
 from dflash_core.acceptance import argmax
 from dflash_core.aoti_layers import HalfThenDown
 from dflash_core.engine import Engine
+from dflash_core.q4_layers import Q4Before
+
+INSIDE = "  of which "  # a part timed inside another (q4_layers' products inside their halves)
 
 
 def timed(name: str, fn: Callable, totals: Counter) -> Callable:
@@ -72,6 +76,13 @@ def main() -> int:
     totals: Counter = Counter()
     # The kernels' runners are timed (the engine may call them directly or through their wrappers).
     for layer in runner.layers:
+        if isinstance(layer.before, Q4Before):  # q4_layers: the halves, and inside them each product
+            for kernel, name, method in ((layer.before.qkv, "qkv", "floats"), (layer.after.o, "o", "floats"),
+                                         (layer.after.gate_up, "gate_up", "floats"), (layer.after.down, "down", "rows")):
+                setattr(kernel, method, timed(f"{INSIDE}{name}", getattr(kernel, method), totals))
+            layer.before = timed("qkv half", layer.before, totals)
+            layer.after = timed("o and MLP half", layer.after, totals)
+            continue
         layer.before.runner = TimedRunner(layer.before.runner, "qkv half", totals)
         if isinstance(layer.after, HalfThenDown):  # down apart, through int8_dot
             layer.after.half.runner = TimedRunner(layer.after.half.runner, "o and MLP half", totals)
@@ -98,7 +109,8 @@ def main() -> int:
             per_pass = (time.perf_counter() - began) / opts.passes
             if r:
                 parts = {name: 1e3 * seconds / opts.passes for name, seconds in totals.items()}
-                rounds.append({"pass": 1e3 * per_pass, **parts, "rest": 1e3 * per_pass - sum(parts.values())})
+                outer = sum(ms for name, ms in parts.items() if not name.startswith(INSIDE))
+                rounds.append({"pass": 1e3 * per_pass, **parts, "rest": 1e3 * per_pass - outer})
         median = {key: round(statistics.median(x[key] for x in rounds), 3) for key in rounds[0]}
         # After the pass, the greedy choice of its tokens (acceptance.argmax) against ATen's argmax.
         logits = runner.forward(block, None).logits

@@ -39,6 +39,31 @@ def tiny_qwen2() -> torch.nn.Module:
     return model.eval()
 
 
+@pytest.mark.skipif(int8_dot.cannot_run() is not None, reason=f"q4_dot cannot run here: {int8_dot.cannot_run()}")
+def test_rotary_and_the_split_are_fastertargets_bit_for_bit_and_silu_times_up_to_bf16_rounding():
+    generator = torch.Generator().manual_seed(0)
+    heads, kv_heads, d, rows = 4, 2, 16, 5
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * d, generator=generator)
+    cos, sin = (torch.randn(rows, heads + kv_heads, d, generator=generator) for _ in range(2))
+    q, k, v = q4_dot.rope_split(qkv, cos, sin, heads, kv_heads)
+    split = qkv.view(rows, heads + 2 * kv_heads, d)
+    qk = split[:, : heads + kv_heads]
+    want = qk * cos + qk.roll(d // 2, dims=-1) * sin  # FastTarget.rope
+    assert torch.equal(q, want[:, :heads]) and torch.equal(k, want[:, heads:]) and torch.equal(v, split[:, heads + kv_heads:])
+    # SiLU(gate) x up in the down product's first pass: PyTorch's SiLU to a few fp32 ulps, so the
+    # bf16 rows agree but for a rare rounding tie, and the product to rounding.
+    from dflash_core.weight_formats import quantize_q4
+
+    down = q4_dot.Q4DotWeight(quantize_q4(torch.randn(32, 64, generator=generator)))
+    gate_up = 4 * torch.randn(rows, 128, generator=generator)
+    add = torch.randn(rows, 32, generator=generator)
+    gate, up = gate_up.chunk(2, dim=-1)
+    eager = down.rows((torch.nn.functional.silu(gate) * up).to(torch.bfloat16), add=add)
+    assert (down.glu(gate_up, add=add) - eager).norm() <= 1e-3 * eager.norm()
+    lone = torch.cat([down.glu(gate_up[i : i + 1].contiguous(), add=add[i : i + 1].contiguous()) for i in range(rows)])
+    assert torch.equal(lone, down.glu(gate_up, add=add))
+
+
 def eager_twin(runner: FastTarget) -> FastTarget:
     """``runner`` with its layers eager (the same q4_dot products, the norms, adds and attention in
     PyTorch) and a cache of its own; its head, the same. (A target built eager would not do: an
@@ -87,8 +112,7 @@ def test_a_fusion_that_changes_the_numbers_is_refused_and_the_eager_layers_run(m
 
     def without_residual(self, x, attention):  # a broken fusion: the residual after O forgotten
         x = self.o.floats(attention.contiguous())
-        gate, up = self.gate_up.floats(x, self.ln2, self.eps).chunk(2, dim=-1)
-        return self.down.rows((torch.nn.functional.silu(gate) * up).to(torch.bfloat16), add=x)
+        return self.down.glu(self.gate_up.floats(x, self.ln2, self.eps), add=x)
 
     monkeypatch.setattr(q4_layers.Q4After, "__call__", without_residual)
     runner = FastTarget(model, weights="int4", kernels="aoti")

@@ -16,6 +16,10 @@
 // 512-bit load gives four input pairs for 16 outputs, as vdpbf16ps pairs them), then the 16
 // outputs' fp16 scales, then their fp16 minimums.
 //
+// q4_dot_glu takes a layer's gate/up product (M, 2 I) in fp32 and multiplies SiLU(gate) x up
+// (rounded to bf16: the MLP's down product's rows) in its first pass; rope_split lays a layer's
+// QKV product out as attention takes it, rotary applied (FastTarget.rope's operations in its order).
+//
 // q4_dot_floats takes fp32 rows instead and rounds them to bf16 first (to nearest even, as
 // PyTorch does), after an RMS norm where given one (a decoder layer's norm before its QKV or
 // gate/up matrices: one pass over the rows instead of PyTorch's half a dozen ops); both entries add
@@ -144,4 +148,64 @@ extern "C" void q4_dot_floats(const float* x, int64_t M, int64_t K, const float*
     for (int64_t k = 0; k < K; ++k) rows[m * K + k] = bf16_bits(norm ? norm[k] * (row[k] * scale) : row[k]);
   }
   q4_dot(rows, M, K, q, xsum, add, y, N, threads);
+}
+
+namespace {
+
+// e^x for fp32 lanes: 2^n e^r with n = round(x / ln 2) and e^r (|r| <= ln 2 / 2) a degree-6
+// Taylor polynomial, within a few fp32 ulps (SiLU's result is then rounded to bf16).
+inline __m512 exp_ps(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-88.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);  // ln 2 in two parts
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+}  // namespace
+
+// q4_dot of the rows SiLU(gu[:, :I]) x gu[:, I:] (gu (M, 2 I) fp32), rounded to bf16 into the
+// scratch ``rows`` (M, I): K = I.
+extern "C" void q4_dot_glu(const float* gu, int64_t M, int64_t K, uint16_t* rows, const uint8_t* q, float* xsum,
+                           const float* add, float* y, int64_t N, int threads) {
+  for (int64_t m = 0; m < M; ++m) {
+    const float* gate = gu + m * 2 * K;
+    const float* up = gate + K;
+    for (int64_t k = 0; k < K; k += 16) {  // K is a multiple of 32
+      const __m512 g = _mm512_loadu_ps(gate + k);
+      const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+      const __m512 value = _mm512_mul_ps(silu, _mm512_loadu_ps(up + k));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(rows + m * K + k), (__m256i)_mm512_cvtneps_pbh(value));
+    }
+  }
+  q4_dot(rows, M, K, q, xsum, add, y, N, threads);
+}
+
+// qkv (T, H + 2 KV, D) fp32 into q (T, H, D) and k (T, KV, D) with rotary applied,
+// x * cos + roll(x, D / 2) * sin as FastTarget.rope computes it (cos, sin (T, H + KV, D)), and v (T, KV, D).
+extern "C" void rope_split(const float* qkv, int64_t T, int64_t H, int64_t KV, int64_t D, const float* cos,
+                           const float* sin, float* q, float* k, float* v) {
+  const int64_t half = D / 2, heads = H + 2 * KV;
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t h = 0; h < H + KV; ++h) {
+      const float* x = qkv + (t * heads + h) * D;
+      const float* c = cos + (t * (H + KV) + h) * D;
+      const float* s = sin + (t * (H + KV) + h) * D;
+      float* out = h < H ? q + (t * H + h) * D : k + (t * KV + h - H) * D;
+      for (int64_t d = 0; d < D; ++d) {
+        const float rolled = x[d < half ? d + half : d - half];
+        const float a = x[d] * c[d];
+        const float b = rolled * s[d];
+        out[d] = a + b;
+      }
+    }
+    std::memcpy(v + t * KV * D, qkv + (t * heads + H + KV) * D, sizeof(float) * KV * D);
+  }
 }
