@@ -80,8 +80,8 @@ def test_raw_prompts_skip_the_chat_template(capsys):
 def test_pairs_lists_the_registry_with_availability(capsys):
     out = run_json(capsys, "pairs", "--json")
     names = {p["name"]: p for p in out["pairs"]}
-    assert names["smollm2-135m-int4"]["default"] and names["smollm2-135m-int4"]["runnable"]
-    assert not names["smollm2-135m"]["default"] and names["smollm2-135m"]["runnable"]
+    assert names["smollm2-135m"]["default"] and names["smollm2-135m"]["runnable"]
+    assert not names["smollm2-135m-int4"]["default"] and names["smollm2-135m-int4"]["runnable"]
     assert not names["qwen3-8b"]["runnable"] and "CUDA" in names["qwen3-8b"]["reason"]
 
 

@@ -16,7 +16,7 @@ drafter = { path = "drafter" }
 
 def test_the_projects_registry_parses_with_the_expected_pairs():
     registry = load_registry()
-    assert registry.default == "smollm2-135m-int4"
+    assert registry.default == "smollm2-135m"
     assert registry.get("smollm2-135m-int4").weights == "int4" and registry.get("smollm2-135m-int4").kernels == "aoti"
     default = registry.get(None)
     assert default.target.kind == "gguf" and default.target_device == "cpu"
