@@ -78,7 +78,7 @@ def main() -> int:
     for layer in runner.layers:
         if isinstance(layer.before, Q4Before):  # q4_layers: the halves, and inside them each product
             for kernel, name, method in ((layer.before.qkv, "qkv", "floats"), (layer.after.o, "o", "floats"),
-                                         (layer.after.gate_up, "gate_up", "floats"), (layer.after.down, "down", "rows")):
+                                         (layer.after.gate_up, "gate_up", "floats"), (layer.after.down, "down", "glu")):
                 setattr(kernel, method, timed(f"{INSIDE}{name}", getattr(kernel, method), totals))
             layer.before = timed("qkv half", layer.before, totals)
             layer.after = timed("o and MLP half", layer.after, totals)
