@@ -148,14 +148,15 @@ def test_int8_weights_run_the_int8_gemm_losslessly(kernel_cache):
     assert aoti_kernels.exact_here(runner.layers[0].qkv.kernel, reference) is None
 
 
-def test_int4_weights_stay_on_their_kernel(kernel_cache):
+def test_int4_weights_run_the_q4_layers_or_the_int8_ones_saying_why(kernel_cache):
     runner = FastTarget(two_shape_llama(), weights="int4", kernels="aoti")
-    if runner.weight_format != "int4" and "no padding made" not in runner.weight_note:
-        pytest.skip(f"the int4 layers were refused before the kernels were chosen: {runner.weight_note}")
-    # The int4 layers were in place when the kernels were chosen (even where the whole-model probe
-    # later sends them back to full precision): no C++ GEMM over them.
-    assert runner.kernels == "onednn"
-    assert runner.kernel_note == "asked for aoti, running oneDNN: the layers run int4 kernels (no C++ GEMM for them)"
+    why = int8_dot.cannot_run()
+    if why is None:  # q4_dot runs: no C++ GEMM over the int4 matrices, the fused q4 layers
+        assert runner.weight_format == "int4" and runner.kernels == "aoti"
+        assert runner.kernel_note.startswith("3 of 3 decoder layers on the GGUF's Q4_1 codes")
+    else:  # as on an AVX2 CPU: the int8 layers (or bf16 where their rows depend on their company), both reasons kept
+        assert runner.weight_note.startswith("asked for int4, running ")
+        assert f"q4_dot cannot run: {why}" in runner.weight_note
 
 
 @pytest.mark.slow
