@@ -32,6 +32,40 @@ from .target import TargetOutput, TargetRunner
 from .tree import BRANCHING, DraftTree, best_extension, build_tree, chain_tree, depth_first, walk
 
 DRAFT_COST_WEIGHT = 0.1  # weight of the newest cycle in the running means of the drafter's cost and gain
+PAYS_WEIGHT = 0.3  # weight of the newest drafting cycle in DraftingMeter's means (it must notice a change of text)
+MAX_SKIP = 32  # the most cycles in a row DraftingMeter has the drafter sit out before it drafts again
+
+
+class DraftingMeter:
+    """Whether running the drafter has been paying against the target alone, for adaptive
+    variants: running means of a drafting cycle's committed tokens and its measured time, against
+    one token per ``verify_costs[0]`` (the target's single-token pass). Where drafting has been
+    slower, the drafter sits out the next cycles (the target alone, exact as ever: 1, then 2, 4 ...
+    up to ``MAX_SKIP`` while it keeps not paying), then drafts again to measure anew. A fast target
+    with a weak drafter (tau near 2) otherwise makes an adaptive variant slower than AR."""
+
+    def __init__(self, verify_costs: Sequence[float]) -> None:
+        self.single = verify_costs[0]
+        self.tokens: float | None = None
+        self.seconds: float | None = None
+        self.skip, self.backoff = 0, 1
+
+    def drafting(self) -> bool:
+        """Whether this cycle runs the drafter (False: it sits out, one cycle fewer to go)."""
+        if self.skip:
+            self.skip -= 1
+            return False
+        return True
+
+    def record(self, tokens: int, seconds: float) -> None:
+        """A drafting cycle committed ``tokens`` in ``seconds`` (drafting and verifying)."""
+        w = PAYS_WEIGHT
+        self.tokens = tokens if self.tokens is None else (1 - w) * self.tokens + w * tokens
+        self.seconds = seconds if self.seconds is None else (1 - w) * self.seconds + w * seconds
+        if self.tokens * self.single < self.seconds:  # fewer tokens a second than the target alone
+            self.skip, self.backoff = self.backoff, min(2 * self.backoff, MAX_SKIP)
+        else:
+            self.backoff = 1
 
 
 @dataclass
@@ -137,9 +171,10 @@ class Proposer(Protocol):
         them; ``started``: when the cycle's drafting began (``Clock.now``), for adaptive cuts."""
 
     def observe(self, draft: ChainDraft | TreeDraft, outcome: Outcome, committed: list[int],
-                features: torch.Tensor | None, start: int, draft_s: float) -> None:
+                features: torch.Tensor | None, start: int, draft_s: float, cycle_s: float) -> None:
         """Learn from a settled cycle: the ``committed`` tokens, the target's ``features`` of the
-        kept positions (from ``start``), and the measured drafting time ``draft_s``."""
+        kept positions (from ``start``), the measured drafting time ``draft_s`` and the whole
+        cycle's ``cycle_s`` (drafting and verifying)."""
 
 
 def _no_drafts(anchor: int, device: torch.device) -> ChainDraft:
@@ -202,9 +237,10 @@ class ChainProposer:
                  verify_costs: Sequence[float] | None, now: Callable[[], float]) -> None:
         self.block, self.sampling, self.samples_drafts = block, sampling, samples_drafts
         self.verify_costs, self.now = verify_costs, now
+        self.meter = DraftingMeter(verify_costs) if verify_costs else None
 
     def propose(self, anchor: int, start: int, size: int, started: float) -> ChainDraft:
-        if size <= 1:
+        if size <= 1 or (self.meter is not None and not self.meter.drafting()):
             return _no_drafts(anchor, self.block.target.device)
         logits, columns = self.block.logits(anchor, start, size)
         probs = None
@@ -224,7 +260,9 @@ class ChainProposer:
         return ChainDraft(anchor=anchor, tokens=tokens, confidence=confidence, sampled=sampled, drafter_ran=True)
 
     def observe(self, draft: ChainDraft, outcome: Outcome, committed: list[int], features: torch.Tensor | None,
-                start: int, draft_s: float) -> None:
+                start: int, draft_s: float, cycle_s: float) -> None:
+        if self.meter is not None and draft.drafter_ran:
+            self.meter.record(len(committed), cycle_s)
         self.block.saw(features, start, draft.drafter_ran)
 
 
@@ -244,6 +282,7 @@ class TreeProposer:
         # drafter adds where the guess fails at once.
         self.draft_cost: float | None = None
         self.drafter_gain = 1.0
+        self.meter = DraftingMeter(verify_costs) if verify_costs else None
 
     def _guess(self, count: int) -> tuple[list[int], int, list[float]]:
         """Prompt lookup's next ``count`` tokens, its match length and each token's chance."""
@@ -253,14 +292,18 @@ class TreeProposer:
         guess, match = index.continuation(count)
         return guess, match, stats.probabilities(match, len(guess))
 
-    def _guess_alone(self, anchor: int, guess: list[int], chances: list[float]) -> DraftTree | None:
+    def _guess_alone(self, anchor: int, guess: list[int], chances: list[float],
+                     drafter_sits_out: bool = False) -> DraftTree | None:
         """The guess's best prefix as a chain, when it is worth verifying without running the
-        drafter; else None."""
-        if not (self.verify_costs and guess and self.draft_cost is not None):
+        drafter (or the drafter sits out this cycle); else None."""
+        if not (self.verify_costs and guess and (self.draft_cost is not None or drafter_sits_out)):
             return None
         gains = list(itertools.accumulate(chances, operator.mul))  # expected tokens kept at each depth
         keep = best_count_and_rate(gains, self.verify_costs)[0]
-        if keep == 0 or worth_drafting(gains[:keep], self.verify_costs[keep], self.draft_cost, self.drafter_gain):
+        if keep == 0:
+            return None
+        if not drafter_sits_out and worth_drafting(gains[:keep], self.verify_costs[keep], self.draft_cost,
+                                                   self.drafter_gain):
             return None
         return chain_tree(anchor, guess[:keep], gains[:keep])
 
@@ -269,7 +312,12 @@ class TreeProposer:
         if size <= 1:
             return _no_drafts(anchor, device)
         guess, match, chances = self._guess(size - 1)
-        tree = self._guess_alone(anchor, guess, chances)
+        if self.meter is not None and not self.meter.drafting():  # the drafter sits out: the guess alone, if any
+            tree = self._guess_alone(anchor, guess, chances, drafter_sits_out=True)
+            if tree is None:
+                return _no_drafts(anchor, device)
+        else:
+            tree = self._guess_alone(anchor, guess, chances)
         alone = tree is not None
         if not alone:
             logits, columns = self.block.logits(anchor, start, size)
@@ -283,8 +331,10 @@ class TreeProposer:
                                                   device=device), **shared)
 
     def observe(self, draft: ChainDraft | TreeDraft, outcome: Outcome, committed: list[int],
-                features: torch.Tensor | None, start: int, draft_s: float) -> None:
+                features: torch.Tensor | None, start: int, draft_s: float, cycle_s: float) -> None:
         w = DRAFT_COST_WEIGHT
+        if draft.drafter_ran and self.meter is not None:
+            self.meter.record(len(committed), cycle_s)
         if draft.drafter_ran:
             self.draft_cost = draft_s if self.draft_cost is None else (1 - w) * self.draft_cost + w * draft_s
             if outcome.lookup_kept == 0:

@@ -263,7 +263,7 @@ def stream(
         accepted = outcome.num_accepted
         committed, reason = finish(outcome.drafted[:accepted] + [outcome.bonus], state.produced)
         state.produced += len(committed)
-        proposer.observe(draft, outcome, committed, features, state.start, t1 - t0)
+        proposer.observe(draft, outcome, committed, features, state.start, t1 - t0, clock.now() - t0)
         yield CycleEvent(index=state.index, position=state.start + 1, drafted=outcome.drafted,
                          draft_confidence=outcome.confidence, target_choices=outcome.target_choices,
                          num_accepted=accepted, bonus=outcome.bonus, committed=committed, draft_s=t1 - t0,

@@ -243,3 +243,62 @@ def test_a_llama_with_biases_the_fast_runner_lacks_runs_on_the_generic_runner(bi
         for block in (4, 16):
             out = collect(stream(runner, drafter, prompt, GenerationConfig(max_new_tokens=24, block_size=block).validated(16)))
             assert out.token_ids == ar.token_ids, (bias, block)
+
+
+def test_the_drafting_meter_backs_off_while_drafting_does_not_pay_and_resets_when_it_does():
+    from dflash_core.proposers import MAX_SKIP, DraftingMeter
+
+    meter = DraftingMeter([0.01] * 16)  # the target alone: 100 tokens a second
+    pattern = []
+    for _ in range(8):  # every drafting cycle: 1 token in 50 ms (20 a second)
+        assert meter.drafting()
+        meter.record(1, 0.05)
+        sat_out = 0
+        while not meter.drafting():
+            sat_out += 1
+        pattern.append(sat_out)
+        meter.skip = 0  # the drafting() that ended the loop drafted: record it next turn
+    assert pattern == [1, 2, 4, 8, 16, 32, MAX_SKIP, MAX_SKIP]
+    sat_out = []
+    for _ in range(6):  # now 8 tokens in 30 ms a drafting cycle: the means recover and the meter stops sitting out
+        sat_out.append(0)
+        while not meter.drafting():
+            sat_out[-1] += 1
+        meter.record(8, 0.03)
+    assert sat_out[-2:] == [0, 0] and meter.skip == 0 and meter.backoff == 1
+
+
+class SlowDrafter(DFlashDrafter):
+    """A real drafter whose every pass takes 20 ms more: one that never pays for itself."""
+
+    def __init__(self, base: DFlashDrafter) -> None:
+        super().__init__(base.config)
+        self.load_state_dict(base.state_dict())
+
+    def forward(self, *args, **kwargs):  # noqa: D102
+        import time
+
+        time.sleep(0.02)
+        return super().forward(*args, **kwargs)
+
+
+@pytest.mark.parametrize("variant", [dict(adaptive=True), dict(adaptive=True, tree=True, lookup=True)])
+def test_an_adaptive_variant_lets_a_drafter_that_does_not_pay_sit_out_and_stays_lossless(variant):
+    model = tiny_target("llama", seed=6)
+    runner = FastTarget(model)
+    slow = SlowDrafter(tiny_drafter(model))
+    for prompt in PROMPTS[:2]:
+        ar = collect(stream(runner, None, prompt, GenerationConfig(max_new_tokens=60, block_size=1).validated(16)))
+        cfg = GenerationConfig(max_new_tokens=60, block_size=16, **variant).validated(16)
+        out = collect(stream(runner, slow, prompt, cfg, verify_costs=[0.002] * 16))  # the target alone: 2 ms a token
+        assert out.token_ids == ar.token_ids
+        drafted = [c for c in out.cycles if c.draft_s >= 0.02]  # the cycles that ran the drafter
+        # it drafts, then sits out 1, 2, 4 ... cycles (prompt lookup's guesses alone, or the target alone)
+        assert 1 <= len(drafted) <= 8 and len(out.cycles) - len(drafted) >= 3 * len(drafted), (len(drafted), len(out.cycles))
+    # A drafter that pays (every draft kept, against a target made to look slow) never sits out.
+    reference = collect(stream(runner, None, PROMPTS[0], GenerationConfig(max_new_tokens=60, block_size=1).validated(16)))
+    oracle = OracleDrafter(tiny_drafter(model), list(PROMPTS[0]) + reference.token_ids)
+    out = collect(stream(runner, oracle, PROMPTS[0], GenerationConfig(max_new_tokens=60, block_size=16, **variant)
+                         .validated(16), verify_costs=[0.05] * 16))
+    assert out.token_ids == reference.token_ids
+    assert all(len(c.drafted) > 0 for c in out.cycles[1:] if c.position < len(PROMPTS[0]) + 59)
