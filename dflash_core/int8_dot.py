@@ -78,6 +78,8 @@ def _library() -> ctypes.CDLL:
     lib.int8_dot.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                              ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
     lib.int8_dot.restype = None
+    lib.int8_group_dot.argtypes = lib.int8_dot.argtypes
+    lib.int8_group_dot.restype = None
     return lib
 
 
@@ -147,3 +149,59 @@ def int8_dot_weight(eager) -> tuple[Int8DotWeight | None, str | None]:
         return None, f"building the kernel failed: {type(exc).__name__}: {str(exc)[:200]}"
     why = exact_here(kernel, eager)
     return (None, why) if why else (kernel, None)
+
+
+GROUP = 32  # inputs per Q8_0 block
+
+
+class Q8DotWeight:
+    """A GGUF's Q8_0 matrix (``weight_formats.Q8Blocks``: int8 codes, one fp16 scale per 32 inputs)
+    as the file has it: ``x @ w.T`` with the rows rounded to bf16, each group's sum times its scale,
+    in fp32; the result in ``x``'s dtype. ``rows`` as ``Int8DotWeight.rows``."""
+
+    fmt = "int8"
+
+    def __init__(self, blocks) -> None:
+        n, k = blocks.q.shape
+        self.shape = (n, k)
+        self.packed = pack(blocks.q).contiguous()
+        self.scales = blocks.d.float().reshape(n // BLOCK, BLOCK, k // GROUP).permute(0, 2, 1).contiguous()
+        self._kernel = _library().int8_group_dot
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.shape[1]).to(torch.bfloat16).contiguous()
+        return self.rows(rows).to(x.dtype).view(*x.shape[:-1], self.shape[0])
+
+    def rows(self, rows: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+        """The product of contiguous bf16 ``rows`` (M, K), plus contiguous fp32 ``add`` (M, N), in fp32."""
+        out = torch.empty(rows.shape[0], self.shape[0])
+        self._kernel(rows.data_ptr(), rows.shape[0], self.shape[1], self.packed.data_ptr(), self.scales.data_ptr(),
+                     None if add is None else add.data_ptr(), out.data_ptr(), self.shape[0], torch.get_num_threads())
+        return out
+
+
+def q8_dot_weight(blocks) -> tuple[Q8DotWeight | None, str | None]:
+    """``blocks``' (``weight_formats.Q8Blocks``) product through ``int8_group_dot`` where it runs
+    here and its probe passes (the file's weights' product to rounding, rows independent of their
+    company); else None and why."""
+    from .kernels import probe_rows, rows_independent
+
+    why = cannot_run()
+    if why is not None:
+        return None, why
+    n, k = blocks.q.shape
+    if n % BLOCK or k % GROUP:
+        return None, f"a {n}x{k} matrix (it takes matrices of 16 outputs and groups of 32 inputs)"
+    try:
+        kernel = Q8DotWeight(blocks)
+    except (OSError, RuntimeError) as exc:  # the compiler or the loader failed
+        return None, f"building the kernel failed: {type(exc).__name__}: {str(exc)[:200]}"
+    probe = probe_rows(k, torch.float32)
+    with torch.inference_mode():
+        own = kernel(probe)
+        want = probe.bfloat16().float() @ blocks.dequantize().T
+        if not (own - want).norm() <= 1e-4 * want.norm():
+            return None, "its results are not the file's weights' product"
+        if not rows_independent(kernel, own, probe):
+            return None, "its rows change with the number of rows in a call"
+    return kernel, None

@@ -42,7 +42,7 @@ from .kernels import padded_rows
 from . import cuda_graphs
 from .aoti_layers import CompiledHalf, CompiledLayer
 from .families import ADAPTERS, FusedLayer, fast_path_reason
-from .int8_dot import Int8DotWeight, int8_dot_weight
+from .int8_dot import Int8DotWeight, Q8DotWeight, int8_dot_weight, q8_dot_weight
 from .kv_cache import KVCache, round_capacity
 from .rollback import CacheRollback
 from .tree import DraftTree
@@ -251,6 +251,9 @@ class FastTarget:
         self.cos = self.sin = None  # rope_tables for the cache's capacity
         self._tree_attention = TreeAttention(self)
         self.graphs: cuda_graphs.CudaGraphs | None = None  # set once the probes below have run (they run eager)
+        # The GGUF's Q8_0 output matrix, for an int4 target's LM head as the file has it (weight_formats.q4_1_blocks)
+        self._head_blocks = (q4_blocks or {}).get("lm_head")
+        self._file_head_why: str | None = None  # why the head does not run those blocks, where it does not
         # The format the layers' weights are read in (``weights``; see weight_formats.py), and why
         # it is not the one asked for where the kernels do not allow it here.
         self.weight_format, self.weight_note = "bf16", "bf16"
@@ -369,16 +372,35 @@ class FastTarget:
             attention_note = f"attention eager ({attention_note})"
         return "aoti", f"{note}; {attention_note}; {head}"
 
+    def _file_head(self) -> str | None:
+        """The LM head on the GGUF's own Q8_0 blocks (``int8_dot.q8_dot_weight``) where they are
+        the loaded head's weights and the kernel runs here; else why not."""
+        blocks = self._head_blocks
+        if tuple(blocks.q.shape) != tuple(self._lm_head_weight.shape) or not torch.equal(
+                blocks.dequantize().to(self._lm_head_weight.dtype), self._lm_head_weight):
+            return "the GGUF's Q8_0 output blocks are not the loaded head's weights"
+        head, why = q8_dot_weight(blocks)
+        if head is not None:
+            self._lm_head = QuantizedLinear(head)
+        return why
+
     def _head_note(self, why: str | None) -> str:
         if why:
             return f"on oneDNN ({why})"
-        if isinstance(getattr(self._lm_head, "kernel", None), Int8DotWeight):
-            return "int8 through bf16 dot products"
-        return "int8 through the int8 GEMM" if self.weight_format != "bf16" else "through the C++ GEMM"
+        kernel = getattr(self._lm_head, "kernel", None)
+        if isinstance(kernel, Q8DotWeight):
+            return "the GGUF's Q8_0 blocks through bf16 dot products"
+        note = ("int8 through bf16 dot products" if isinstance(kernel, Int8DotWeight)
+                else "int8 through the int8 GEMM" if self.weight_format != "bf16" else "through the C++ GEMM")
+        return note + (f" (not the GGUF's Q8_0 blocks: {self._file_head_why})" if self._file_head_why else "")
 
     def _aoti_head(self, aoti_kernels) -> str | None:
         """The LM head through the C++ GEMM (the int8 one where the layers run int8: the head's
         113 MB in fp32 was then a step's largest read); why not, where it stays as it was."""
+        if self.weight_format == "int4" and self._head_blocks is not None:
+            self._file_head_why = self._file_head()
+            if self._file_head_why is None:
+                return None
         if self.weight_format in ("int8", "w8a8", "int4"):
             int8 = QuantizedLinear(Int8Weight(self._lm_head_weight, self.dtype))
             dot, _ = int8_dot_weight(int8.kernel)  # where it does not run, inductor's int8 GEMM

@@ -86,6 +86,25 @@ class Q4Blocks:
         return Q4Blocks(*(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "d", "m")))
 
 
+@dataclass
+class Q8Blocks:
+    """One matrix's GGUF Q8_0 blocks: ``w[n, k] = d[n, k // 32] * q[n, k]``."""
+
+    q: torch.Tensor  # (N, K) int8
+    d: torch.Tensor  # (N, K / 32) float32 (fp16 values)
+
+    def dequantize(self) -> torch.Tensor:
+        n, k = self.q.shape
+        return (self.q.float().view(n, k // GROUP, GROUP) * self.d[..., None]).view(n, k)
+
+
+def _unpack_q8_0(raw: np.ndarray, rows: int, cols: int) -> Q8Blocks:
+    blocks = raw.reshape(rows * cols // GROUP, 34)
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32).reshape(rows, cols // GROUP)
+    q = blocks[:, 2:].copy().view(np.int8).reshape(rows, cols)
+    return Q8Blocks(torch.from_numpy(q), torch.from_numpy(d))
+
+
 def _unpack_q4_1(raw: np.ndarray, rows: int, cols: int) -> Q4Blocks:
     blocks = raw.reshape(rows * cols // GROUP, 20)
     d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32).reshape(rows, cols // GROUP)
@@ -103,15 +122,19 @@ def _rope_unpermute(rows: int, heads: int) -> torch.Tensor:
 
 def q4_1_blocks(gguf_path: str | Path, num_heads: int, num_kv_heads: int) -> dict[str, Q4Blocks]:
     """The Q4_1 matrices of a llama-family GGUF, keyed by transformers' module names
-    (``model.layers.3.self_attn.q_proj``), rows in transformers' order. Other tensor types
-    (the Q8_0 embedding, norms) are left out."""
+    (``model.layers.3.self_attn.q_proj``), rows in transformers' order; and under ``lm_head``
+    the output matrix's Q8_0 blocks where it has them (``output.weight``, else the tied
+    ``token_embd.weight``). Other tensors (norms) are left out."""
     import gguf
 
     names = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
              "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
              "ffn_down": "mlp.down_proj"}
-    out: dict[str, Q4Blocks] = {}
+    out: dict[str, Q4Blocks | Q8Blocks] = {}
+    heads = {}
     for tensor in gguf.GGUFReader(str(gguf_path)).tensors:
+        if tensor.name in ("output.weight", "token_embd.weight"):
+            heads[tensor.name] = tensor
         parts = tensor.name.split(".")
         if tensor.tensor_type != gguf.GGMLQuantizationType.Q4_1 or len(parts) != 4 or parts[0] != "blk":
             continue
@@ -124,6 +147,10 @@ def q4_1_blocks(gguf_path: str | Path, num_heads: int, num_kv_heads: int) -> dic
         elif parts[2] == "attn_k":
             blocks = blocks.permute_rows(_rope_unpermute(rows, num_kv_heads))
         out[f"model.layers.{parts[1]}.{names[parts[2]]}"] = blocks
+    head = heads.get("output.weight", heads.get("token_embd.weight"))
+    if head is not None and head.tensor_type == gguf.GGMLQuantizationType.Q8_0:
+        cols, rows = (int(s) for s in head.shape)
+        out["lm_head"] = _unpack_q8_0(np.asarray(head.data), rows, cols)
     return out
 
 

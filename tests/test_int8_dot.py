@@ -90,3 +90,47 @@ def test_with_amx_inductors_kernel_is_left_to_its_tiles(monkeypatch):
     assert int8_dot.unavailable() == "this CPU has AMX, whose tiles inductor's int8 GEMM uses"
     monkeypatch.setenv(isa_emulation.VARIABLE, "avx512-no-amx")  # AMX hidden: as an EPYC Zen 4
     assert int8_dot.unavailable() is None
+
+
+def q8_blocks(out_features: int, in_features: int, seed: int = 0):
+    """Random Q8_0 blocks with fp16 scales, as a GGUF holds them."""
+    from dflash_core.weight_formats import Q8Blocks
+
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randint(-127, 128, (out_features, in_features), generator=generator, dtype=torch.int8)
+    d = (torch.rand(out_features, in_features // 32, generator=generator) * 0.01 + 1e-4).half().float()
+    return Q8Blocks(q, d)
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", [(64, 64), (49152 // 64, 576)])
+def test_q8_0_products_are_the_files_weights_to_fp32_rounding_and_rows_never_depend_on_their_company(shape):
+    blocks = q8_blocks(*shape)
+    kernel, why = int8_dot.q8_dot_weight(blocks)
+    assert why is None
+    rows = torch.randn(20, shape[1], generator=torch.Generator().manual_seed(1))
+    got = kernel(rows)
+    want = rows.bfloat16().double() @ blocks.dequantize().double().T
+    assert ((got.double() - want).abs().max() / want.abs().max()).item() < 1e-5
+    # closer to the file than int8 with one scale per output (what the int8 head requantizes to)
+    requantized = Int8Weight(blocks.dequantize(), torch.float32)
+    assert (got.double() - want).norm() < (exact(rows, requantized) - want).norm()
+    lone = torch.cat([kernel(rows[i : i + 1]) for i in range(rows.shape[0])])
+    assert torch.equal(lone, got)
+    add = torch.randn(20, shape[0])
+    assert torch.equal(kernel.rows(rows.bfloat16().contiguous(), add), got + add)
+
+
+def test_q8_0_blocks_are_read_as_gguf_dequantizes_them():
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+
+    from dflash_core import weight_formats
+
+    rng = np.random.default_rng(0)
+    rows, cols = 8, 64
+    raw = rng.integers(0, 256, size=(rows * cols // 32, 34), dtype=np.uint8)
+    raw[:, 0:2] = np.array([0.01], dtype=np.float16).view(np.uint8)  # a finite scale
+    blocks = weight_formats._unpack_q8_0(raw.reshape(rows, -1), rows, cols)
+    expected = gguf.quants.dequantize(raw.reshape(rows, -1), gguf.GGMLQuantizationType.Q8_0)
+    assert torch.equal(blocks.dequantize(), torch.from_numpy(expected))

@@ -142,3 +142,32 @@ def test_where_q4_dot_cannot_run_the_int8_layers_run_and_the_note_says_why(monke
     else:  # eager int8 (no compiled kernels here) whose rows depend on their company on this CPU: both reasons
         assert runner.weight_note == (f"asked for int4, running bf16: {missing}; with int8 kernels no padding made a "
                                       "position's logits independent of the size of its pass on this CPU")
+
+
+def q8_0(weight: torch.Tensor):
+    """``weight`` as Q8_0 blocks (one fp16 scale per 32 inputs, codes -127..127), as llama.cpp quantizes."""
+    from dflash_core.weight_formats import Q8Blocks
+
+    n, k = weight.shape
+    groups = weight.float().view(n, k // 32, 32)
+    d = (groups.abs().amax(-1) / 127).clamp_min(1e-7).half().float()
+    q = (groups / d[..., None]).round().clamp(-127, 127).to(torch.int8).view(n, k)
+    return Q8Blocks(q, d)
+
+
+@needs_kernels
+def test_the_lm_head_runs_the_files_q8_0_blocks_where_they_are_the_loaded_heads_weights(kernel_cache):
+    model = two_shape_llama()
+    blocks = q8_0(model.lm_head.weight.detach())
+    with torch.no_grad():
+        model.lm_head.weight.copy_(blocks.dequantize())  # as loading a GGUF dequantizes it
+    runner = FastTarget(model, weights="int4", kernels="aoti", q4_blocks={"lm_head": blocks})
+    assert runner.kernel_note.endswith("; the LM head the GGUF's Q8_0 blocks through bf16 dot products")
+    assert isinstance(runner._lm_head.kernel, int8_dot.Q8DotWeight)
+    assert_greedy_lossless(runner, model, max_new_tokens=40)
+    # Blocks of another matrix: the int8 head, and the note says why.
+    other = q8_0(torch.randn(model.lm_head.weight.shape, generator=torch.Generator().manual_seed(3)))
+    runner = FastTarget(model, weights="int4", kernels="aoti", q4_blocks={"lm_head": other})
+    head = "int8 through bf16 dot products" if int8_dot.unavailable() is None else "int8 through the int8 GEMM"
+    assert runner.kernel_note.endswith(f"{head} (not the GGUF's Q8_0 blocks: the GGUF's Q8_0 output blocks are not "
+                                       "the loaded head's weights)")

@@ -11,6 +11,11 @@
 //
 // q is packed (N / 16, K / 2, 32): element [nb][kp][2 j + t] = q[16 nb + j][2 kp + t], so one
 // 256-bit load gives a k-pair for 16 outputs, as vdpbf16ps pairs them.
+//
+// int8_group_dot takes one scale per group of 32 inputs instead (a GGUF's Q8_0 blocks: scales
+// (N / 16, K / 32, 16), the file's fp16 values): each group's sum multiplied by its scale, the
+// groups summed in order, so the product is the file's weights' (up to 8 rows per pass: two sets of
+// accumulators).
 #include <immintrin.h>
 #include <omp.h>
 
@@ -78,5 +83,65 @@ extern "C" void int8_dot(const uint16_t* x, int64_t M, int64_t K, const int8_t* 
   for (int64_t m0 = 0; m0 < M; m0 += 16) {
     const int64_t mb = M - m0 < 16 ? M - m0 : 16;
     BY_ROWS[mb](x + m0 * K, K, q, scale, add ? add + m0 * N : nullptr, y + m0 * N, N, threads);
+  }
+}
+
+namespace {
+
+template <int MB, int NB>
+void group_tile(const uint16_t* x, int64_t K, const int8_t* q, const float* scales, const float* add, float* y,
+                int64_t N, int64_t nb0) {
+  __m512 total[MB][NB], group[MB][NB];
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < NB; ++j) total[m][j] = _mm512_setzero_ps();
+  const int64_t pairs = K / 2, groups = K / 32;
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int m = 0; m < MB; ++m)
+      for (int j = 0; j < NB; ++j) group[m][j] = _mm512_setzero_ps();
+    for (int64_t kp = g * 16; kp < g * 16 + 16; ++kp) {
+      __m512bh w[NB];
+      for (int j = 0; j < NB; ++j) w[j] = widen(q + ((nb0 + j) * pairs + kp) * 32);
+      for (int m = 0; m < MB; ++m) {
+        int32_t pair;
+        std::memcpy(&pair, x + m * K + 2 * kp, sizeof pair);
+        const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+        for (int j = 0; j < NB; ++j) group[m][j] = _mm512_dpbf16_ps(group[m][j], a, w[j]);
+      }
+    }
+    for (int j = 0; j < NB; ++j) {
+      const __m512 s = _mm512_loadu_ps(scales + ((nb0 + j) * groups + g) * 16);
+      for (int m = 0; m < MB; ++m) total[m][j] = _mm512_fmadd_ps(group[m][j], s, total[m][j]);
+    }
+  }
+  for (int j = 0; j < NB; ++j) {
+    const int64_t n = (nb0 + j) * 16;
+    for (int m = 0; m < MB; ++m) {
+      const __m512 base = add ? _mm512_loadu_ps(add + m * N + n) : _mm512_setzero_ps();
+      _mm512_storeu_ps(y + m * N + n, _mm512_add_ps(total[m][j], base));
+    }
+  }
+}
+
+template <int MB>
+void group_rows(const uint16_t* x, int64_t K, const int8_t* q, const float* scales, const float* add, float* y,
+                int64_t N, int threads) {
+  constexpr int NB = MB <= 2 ? 4 : (MB <= 4 ? 2 : 1);
+  const int64_t blocks = N / 16;
+  const int64_t sets = blocks / NB;
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t s = 0; s < sets; ++s) group_tile<MB, NB>(x, K, q, scales, add, y, N, s * NB);
+  for (int64_t nb = sets * NB; nb < blocks; ++nb) group_tile<MB, 1>(x, K, q, scales, add, y, N, nb);
+}
+
+constexpr RowsFn BY_GROUP_ROWS[9] = {nullptr, group_rows<1>, group_rows<2>, group_rows<3>, group_rows<4>,
+                                     group_rows<5>, group_rows<6>, group_rows<7>, group_rows<8>};
+
+}  // namespace
+
+extern "C" void int8_group_dot(const uint16_t* x, int64_t M, int64_t K, const int8_t* q, const float* scales,
+                               const float* add, float* y, int64_t N, int threads) {
+  for (int64_t m0 = 0; m0 < M; m0 += 8) {
+    const int64_t mb = M - m0 < 8 ? M - m0 : 8;
+    BY_GROUP_ROWS[mb](x + m0 * K, K, q, scales, add ? add + m0 * N : nullptr, y + m0 * N, N, threads);
   }
 }
