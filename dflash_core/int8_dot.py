@@ -26,6 +26,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -180,28 +181,26 @@ class Q8DotWeight:
         return out
 
 
-def q8_dot_weight(blocks) -> tuple[Q8DotWeight | None, str | None]:
-    """``blocks``' (``weight_formats.Q8Blocks``) product through ``int8_group_dot`` where it runs
-    here and its probe passes (the file's weights' product to rounding, rows independent of their
-    company); else None and why."""
-    from .kernels import probe_rows, rows_independent
+def file_kernel(make: Callable, blocks) -> tuple[object | None, str | None]:
+    """``make(blocks)``, a kernel for a GGUF matrix's blocks of 32 inputs (``Q8DotWeight``,
+    ``q4_dot.Q4DotWeight``), where the matrix fits it, it builds and its probe passes (the file's
+    weights' product to rounding, rows independent of their company); else None and why. The
+    caller has checked that the kernel can run on this CPU."""
+    from .kernels import file_product_refusal
 
-    why = cannot_run()
-    if why is not None:
-        return None, why
     n, k = blocks.q.shape
     if n % BLOCK or k % GROUP:
         return None, f"a {n}x{k} matrix (it takes matrices of 16 outputs and groups of 32 inputs)"
     try:
-        kernel = Q8DotWeight(blocks)
-    except (OSError, RuntimeError) as exc:  # the compiler or the loader failed
+        kernel = make(blocks)
+    except (OSError, RuntimeError, ValueError) as exc:  # the compiler or the loader failed, or the blocks do not fit
         return None, f"building the kernel failed: {type(exc).__name__}: {str(exc)[:200]}"
-    probe = probe_rows(k, torch.float32)
-    with torch.inference_mode():
-        own = kernel(probe)
-        want = probe.bfloat16().float() @ blocks.dequantize().T
-        if not (own - want).norm() <= 1e-4 * want.norm():
-            return None, "its results are not the file's weights' product"
-        if not rows_independent(kernel, own, probe):
-            return None, "its rows change with the number of rows in a call"
-    return kernel, None
+    why = file_product_refusal(kernel, blocks.dequantize())
+    return (None, why) if why else (kernel, None)
+
+
+def q8_dot_weight(blocks) -> tuple[Q8DotWeight | None, str | None]:
+    """``blocks``' (``weight_formats.Q8Blocks``) product through ``int8_group_dot`` where it runs
+    here and its probe passes; else None and why."""
+    why = cannot_run()
+    return (None, why) if why else file_kernel(Q8DotWeight, blocks)

@@ -65,6 +65,21 @@ def rows_independent(call, own: torch.Tensor, probe: torch.Tensor) -> bool:
     return rows_match(call, own, probe) and torch.equal(call(probe[:1]), own[:1])
 
 
+def file_product_refusal(kernel, weights: torch.Tensor) -> str | None:
+    """Why ``kernel`` (fp32 rows in, rounded to bf16 inside) does not run a file's matrix
+    (``weights``, dequantized (N, K)): where its results on the probe rows are not the weights'
+    product to fp32 rounding, or its rows change with their company; None where it passes."""
+    probe = probe_rows(weights.shape[1], torch.float32)
+    with torch.inference_mode():
+        own = kernel(probe)
+        want = probe.bfloat16().float() @ weights.T
+        if not (own - want).norm() <= 1e-4 * want.norm():
+            return "its results are not the file's weights' product"
+        if not rows_independent(kernel, own, probe):
+            return "its rows change with the number of rows in a call"
+    return None
+
+
 def probe_rows(in_features: int, dtype: torch.dtype) -> torch.Tensor:
     """The fixed input the probes compare kernels on."""
     generator = torch.Generator().manual_seed(0)

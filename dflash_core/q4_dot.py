@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from .int8_dot import BLOCK, cannot_run, compiled
+from .int8_dot import BLOCK, cannot_run, compiled, file_kernel
 
 SOURCE = Path(__file__).parent / "csrc" / "q4_dot.cpp"
 GROUP = 32  # inputs per group of a Q4_1 block
@@ -136,25 +136,6 @@ def rope_split(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: i
 
 def q4_dot_weight(blocks) -> tuple[Q4DotWeight | None, str | None]:
     """``blocks``' product through this kernel where it runs here and its probe passes; else None
-    and why."""
-    from .kernels import probe_rows, rows_independent
-
+    and why (scales that are not fp16 numbers among the reasons: PyTorch's int4 kernel runs them)."""
     why = cannot_run()
-    if why is not None:
-        return None, why
-    n, k = blocks.q.shape
-    if n % BLOCK or k % GROUP:
-        return None, f"a {n}x{k} matrix (it takes matrices of 16 outputs and groups of 32 inputs)"
-    try:
-        kernel = Q4DotWeight(blocks)
-    except (OSError, RuntimeError, ValueError) as exc:  # the compiler or loader failed, or scales not fp16: PyTorch's int4 kernel runs
-        return None, f"building the kernel failed: {type(exc).__name__}: {str(exc)[:200]}"
-    probe = probe_rows(k, torch.float32)
-    with torch.inference_mode():
-        own = kernel(probe)
-        want = probe.bfloat16().float() @ blocks.dequantize().T
-        if not (own - want).norm() <= 1e-4 * want.norm():
-            return None, "its results are not the file's weights' product"
-        if not rows_independent(kernel, own, probe):
-            return None, "its rows change with the number of rows in a call"
-    return kernel, None
+    return (None, why) if why else file_kernel(Q4DotWeight, blocks)

@@ -31,15 +31,12 @@ inline __m512bh widen(const int8_t* p) {
   return _mm512_cvtne2ps_pbh(hi, lo);  // lo's 16 values first, then hi's: the codes' order
 }
 
-// MB rows times NB blocks of 16 outputs starting at block nb0.
+// Input pairs [from, to) of MB rows times NB blocks of 16 outputs (from block nb0) into acc.
 template <int MB, int NB>
-void tile(const uint16_t* x, int64_t K, const int8_t* q, const float* scale, const float* add, float* y,
-          int64_t N, int64_t nb0) {
-  __m512 acc[MB][NB];
-  for (int m = 0; m < MB; ++m)
-    for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_ps();
+inline void accumulate(const uint16_t* x, int64_t K, const int8_t* q, int64_t nb0, int64_t from, int64_t to,
+                       __m512 (&acc)[MB][NB]) {
   const int64_t pairs = K / 2;
-  for (int64_t kp = 0; kp < pairs; ++kp) {
+  for (int64_t kp = from; kp < to; ++kp) {
     __m512bh w[NB];
     for (int j = 0; j < NB; ++j) w[j] = widen(q + ((nb0 + j) * pairs + kp) * 32);
     for (int m = 0; m < MB; ++m) {
@@ -49,6 +46,16 @@ void tile(const uint16_t* x, int64_t K, const int8_t* q, const float* scale, con
       for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], a, w[j]);
     }
   }
+}
+
+// MB rows times NB blocks of 16 outputs starting at block nb0.
+template <int MB, int NB>
+void tile(const uint16_t* x, int64_t K, const int8_t* q, const float* scale, const float* add, float* y,
+          int64_t N, int64_t nb0) {
+  __m512 acc[MB][NB];
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_ps();
+  accumulate<MB, NB>(x, K, q, nb0, 0, K / 2, acc);
   for (int j = 0; j < NB; ++j) {
     const int64_t n = (nb0 + j) * 16;
     const __m512 s = _mm512_loadu_ps(scale + n);
@@ -94,20 +101,11 @@ void group_tile(const uint16_t* x, int64_t K, const int8_t* q, const float* scal
   __m512 total[MB][NB], group[MB][NB];
   for (int m = 0; m < MB; ++m)
     for (int j = 0; j < NB; ++j) total[m][j] = _mm512_setzero_ps();
-  const int64_t pairs = K / 2, groups = K / 32;
+  const int64_t groups = K / 32;
   for (int64_t g = 0; g < groups; ++g) {
     for (int m = 0; m < MB; ++m)
       for (int j = 0; j < NB; ++j) group[m][j] = _mm512_setzero_ps();
-    for (int64_t kp = g * 16; kp < g * 16 + 16; ++kp) {
-      __m512bh w[NB];
-      for (int j = 0; j < NB; ++j) w[j] = widen(q + ((nb0 + j) * pairs + kp) * 32);
-      for (int m = 0; m < MB; ++m) {
-        int32_t pair;
-        std::memcpy(&pair, x + m * K + 2 * kp, sizeof pair);
-        const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
-        for (int j = 0; j < NB; ++j) group[m][j] = _mm512_dpbf16_ps(group[m][j], a, w[j]);
-      }
-    }
+    accumulate<MB, NB>(x, K, q, nb0, g * 16, g * 16 + 16, group);
     for (int j = 0; j < NB; ++j) {
       const __m512 s = _mm512_loadu_ps(scales + ((nb0 + j) * groups + g) * 16);
       for (int m = 0; m < MB; ++m) total[m][j] = _mm512_fmadd_ps(group[m][j], s, total[m][j]);
