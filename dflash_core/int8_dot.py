@@ -30,6 +30,8 @@ from typing import Callable
 
 import torch
 
+from .weight_formats import GROUP  # inputs per block of a GGUF's Q4_1 and Q8_0 matrices
+
 SOURCE = Path(__file__).parent / "csrc" / "int8_dot.cpp"
 FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-ffp-contract=off", "-fopenmp",
          "-shared", "-fPIC")
@@ -152,33 +154,17 @@ def int8_dot_weight(eager) -> tuple[Int8DotWeight | None, str | None]:
     return (None, why) if why else (kernel, None)
 
 
-GROUP = 32  # inputs per Q8_0 block
-
-
-class Q8DotWeight:
+class Q8DotWeight(Int8DotWeight):
     """A GGUF's Q8_0 matrix (``weight_formats.Q8Blocks``: int8 codes, one fp16 scale per 32 inputs)
-    as the file has it: ``x @ w.T`` with the rows rounded to bf16, each group's sum times its scale,
-    in fp32; the result in ``x``'s dtype. ``rows`` as ``Int8DotWeight.rows``."""
-
-    fmt = "int8"
+    as the file has it: ``Int8DotWeight``'s calls, each group's sum times its own scale
+    (``int8_group_dot``)."""
 
     def __init__(self, blocks) -> None:
         n, k = blocks.q.shape
         self.shape = (n, k)
-        self.packed = pack(blocks.q).contiguous()
+        self.packed = pack(blocks.q)
         self.scales = blocks.d.float().reshape(n // BLOCK, BLOCK, k // GROUP).permute(0, 2, 1).contiguous()
         self._kernel = _library().int8_group_dot
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.shape[1]).to(torch.bfloat16).contiguous()
-        return self.rows(rows).to(x.dtype).view(*x.shape[:-1], self.shape[0])
-
-    def rows(self, rows: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
-        """The product of contiguous bf16 ``rows`` (M, K), plus contiguous fp32 ``add`` (M, N), in fp32."""
-        out = torch.empty(rows.shape[0], self.shape[0])
-        self._kernel(rows.data_ptr(), rows.shape[0], self.shape[1], self.packed.data_ptr(), self.scales.data_ptr(),
-                     None if add is None else add.data_ptr(), out.data_ptr(), self.shape[0], torch.get_num_threads())
-        return out
 
 
 def file_kernel(make: Callable, blocks) -> tuple[object | None, str | None]:

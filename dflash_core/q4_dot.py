@@ -23,10 +23,9 @@ from pathlib import Path
 
 import torch
 
-from .int8_dot import BLOCK, cannot_run, compiled, file_kernel
+from .int8_dot import BLOCK, GROUP, cannot_run, compiled, file_kernel
 
 SOURCE = Path(__file__).parent / "csrc" / "q4_dot.cpp"
-GROUP = 32  # inputs per group of a Q4_1 block
 
 
 @functools.cache

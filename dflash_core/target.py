@@ -317,10 +317,10 @@ class FastTarget:
         """Every matrix (the layers' and the LM head) through inductor's C++ GEMM where its probe
         allows (``aoti_kernels``): fp32 matrices as they are, the layers' int8 weight-only ones
         (``weights = "int8"``) through its int8 GEMM; returns (kernels, note)."""
-        from . import aoti_attention, aoti_kernels, aoti_layers, q4_layers
+        from . import aoti_attention, aoti_kernels, aoti_layers
 
         if self.weight_format == "int4" and self.device.type == "cpu":
-            return self._q4_layers(aoti_kernels, aoti_attention, q4_layers)
+            return self._q4_layers()
         if self.weight_format not in ("bf16", "int8", "w8a8"):
             return "onednn", f"asked for aoti, running oneDNN: the layers run {self.weight_format} kernels (no C++ GEMM for them)"
         if self.device.type != "cpu" or not aoti_kernels.available():
@@ -359,9 +359,11 @@ class FastTarget:
         note += f"; layers not compiled whole: {layers_note}"
         return "aoti", note + (f"; the others run their own kernels ({refused[0]})" if refused else "")
 
-    def _q4_layers(self, aoti_kernels, aoti_attention, q4_layers) -> tuple[str, str]:
+    def _q4_layers(self) -> tuple[str, str]:
         """A Q4_1 GGUF's layers on ``q4_dot`` with the work between the products fused into their
         calls (``q4_layers``), attention and the LM head compiled where they run; returns (kernels, note)."""
+        from . import aoti_attention, aoti_kernels, q4_layers
+
         layers, note = q4_layers.q4_layers(self)
         head = f"the LM head {self._head_note(self._aoti_head(aoti_kernels))}"
         if layers is None:

@@ -47,7 +47,7 @@ import torch
 from .kernels import probe_rows, rows_match
 
 WEIGHT_FORMATS = ("bf16", "int8", "int4", "w8a8")
-GROUP = 32  # Q4_1's block, and the int4 kernel's group size we use
+GROUP = 32  # inputs per block of Q4_1 and Q8_0, and the int4 kernel's group size we use
 
 
 def _has(op: str) -> bool:
