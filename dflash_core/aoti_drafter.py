@@ -184,10 +184,11 @@ def _rotary(positions: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tens
 W8A8_TOLERANCE = 0.1
 
 
-def _probe(layer, compiled: CompiledDrafterLayer, kind: str) -> bool:
+def probe_layer(layer, compiled: CompiledDrafterLayer, kind: str, tolerance: float | None = None) -> bool:
     """The compiled layer against the eager one (as it runs: its matrices through the kernels
     ``drafter_kernels`` gave them) on random rows: a decode pass's call twice, the prompt's context
-    then a cycle's, each on its own fresh cache. Compared: what the layer adds to its residual."""
+    then a cycle's, each on its own fresh cache. Compared: what the layer adds to its residual, to
+    ``kind``'s rounding (``close_to_rounding``) or ``tolerance``."""
     generator = torch.Generator().manual_seed(0)
     hidden, dim = layer.self_attn.q_proj.in_features, layer.self_attn.head_dim
     caches = DrafterCache(1), DrafterCache(1)
@@ -199,7 +200,7 @@ def _probe(layer, compiled: CompiledDrafterLayer, kind: str) -> bool:
             rope_context = _rotary(torch.arange(first, first + context_rows), dim)
             want = layer(x, context, rope_block, rope_context, None, caches[0], 0)
             got = compiled(x, context, rope_block, rope_context, caches[1], 0, None)
-            if not close_to_rounding(got - x, want - x, kind, W8A8_TOLERANCE if kind == "w8a8" else None):
+            if not close_to_rounding(got - x, want - x, kind, tolerance):
                 return False
     return True
 
@@ -237,7 +238,7 @@ def compile_drafter_layers(drafter, kind: str) -> str:
                                             after if down is None else HalfThenDown(after, down))
         except Exception as exc:  # a compiler or AOTInductor failure: the eager layers keep running
             return f"layers eager (building the kernels failed: {type(exc).__name__}: {str(exc)[:200]})"
-        if not _probe(layer, compiled, kind):
+        if not probe_layer(layer, compiled, kind, W8A8_TOLERANCE if kind == "w8a8" else None):
             return f"layers eager (layer {i}'s compiled pass is not the eager one)"
         layer.compiled = compiled
         done += 1

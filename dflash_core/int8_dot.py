@@ -33,7 +33,7 @@ import torch
 from .weight_formats import GROUP  # inputs per block of a GGUF's Q4_1 and Q8_0 matrices
 
 SOURCE = Path(__file__).parent / "csrc" / "int8_dot.cpp"
-FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-ffp-contract=off", "-fopenmp",
+FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-ffp-contract=off", "-fopenmp",
          "-shared", "-fPIC")
 BLOCK = 16  # outputs per block of the packed codes (one fp32 register)
 

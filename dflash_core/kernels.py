@@ -68,12 +68,13 @@ def rows_independent(call, own: torch.Tensor, probe: torch.Tensor) -> bool:
 def file_product_refusal(kernel, weights: torch.Tensor) -> str | None:
     """Why ``kernel`` (fp32 rows in, rounded to bf16 inside) does not run a file's matrix
     (``weights``, dequantized (N, K)): where its results on the probe rows are not the weights'
-    product to fp32 rounding, or its rows change with their company; None where it passes."""
+    product to fp32 rounding (to ``kernel.tolerance`` where it rounds its rows more than to bf16),
+    or its rows change with their company; None where it passes."""
     probe = probe_rows(weights.shape[1], torch.float32)
     with torch.inference_mode():
         own = kernel(probe)
         want = probe.bfloat16().float() @ weights.T
-        if not (own - want).norm() <= 1e-4 * want.norm():
+        if not (own - want).norm() <= getattr(kernel, "tolerance", 1e-4) * want.norm():
             return "its results are not the file's weights' product"
         if not rows_independent(kernel, own, probe):
             return "its rows change with the number of rows in a call"

@@ -254,7 +254,7 @@ def load_target(
 def _q4_blocks(source: ModelSource, model: Any, weights: str, progress: Progress | None) -> dict | None:
     """The GGUF's own Q4_1 codes for an int4 target read from a GGUF (None otherwise, or when they
     cannot be read: the loaded weights are then quantized instead)."""
-    if weights != "int4" or source.kind != "gguf" or getattr(model.config, "model_type", "") not in ("llama", "mistral"):
+    if weights not in ("int4", "w4a8") or source.kind != "gguf" or getattr(model.config, "model_type", "") not in ("llama", "mistral"):
         return None
     from .weight_formats import q4_1_blocks
 
@@ -348,11 +348,15 @@ def load_drafter(
     drafter = drafter.to(device=device, dtype=torch_dtype(resolve_dtype(dtype, device))).eval()
     drafter.pack_for_inference()
     runner = target.runner
-    if getattr(runner, "kernels", "onednn") == "aoti":  # the drafter on the target's kernels
+    weights = getattr(runner, "weight_format", "bf16")
+    if weights == "w4a8":  # the drafter on the target's int8-row kernels (its rounding moves acceptance only)
+        from .q8_drafter import int8_rows_drafter
+
+        _say(progress, f"Drafter kernels: {int8_rows_drafter(drafter)}")
+    elif getattr(runner, "kernels", "onednn") == "aoti":  # the drafter on the target's kernels
         from .aoti_drafter import compile_drafter_layers
         from .aoti_kernels import drafter_kernels
 
-        weights = getattr(runner, "weight_format", "bf16")
         # the drafter's matrices: weight-only int8 beside quantized target layers (int4's too: the
         # drafter has no Q4_1 file, and its rounding moves acceptance only)
         int8 = weights in ("int8", "w8a8", "int4")

@@ -29,15 +29,21 @@ SOURCE = Path(__file__).parent / "csrc" / "q4_dot.cpp"
 
 
 @functools.cache
-def _kernel():
+def library():
     lib = compiled(SOURCE)
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     lib.q4_dot.argtypes = [pointer, size, size, pointer, pointer, pointer, pointer, size, ctypes.c_int]
     lib.q4_dot_floats.argtypes = [pointer, size, size, pointer, ctypes.c_float, pointer, pointer, pointer, pointer,
                                   pointer, size, ctypes.c_int]
     lib.q4_dot_glu.argtypes = [pointer, size, size, pointer, pointer, pointer, pointer, pointer, size, ctypes.c_int]
-    lib.rope_split.argtypes = [pointer, size, size, size, size, pointer, pointer, pointer, pointer, pointer]
-    for function in (lib.q4_dot, lib.q4_dot_floats, lib.q4_dot_glu, lib.rope_split):
+    lib.rope_split.argtypes = [pointer, size, size, size, size, pointer, pointer, size, pointer, pointer,
+                               ctypes.c_float, pointer, pointer, pointer]
+    lib.int8_rows_floats.argtypes = [ctypes.c_int, pointer, size, size, pointer, ctypes.c_float, pointer, pointer,
+                                     pointer, pointer, size, ctypes.c_int]
+    lib.int8_rows_glu.argtypes = [ctypes.c_int, pointer, size, size, pointer, pointer, pointer, pointer, size,
+                                  ctypes.c_int]
+    for function in (lib.q4_dot, lib.q4_dot_floats, lib.q4_dot_glu, lib.rope_split, lib.int8_rows_floats,
+                     lib.int8_rows_glu):
         function.restype = None
     return lib
 
@@ -45,14 +51,9 @@ def _kernel():
 GROUP_BYTES = 320  # one group of 32 inputs for 16 outputs: codes 256 bytes, then 16 fp16 scales and minimums
 
 
-def pack(blocks) -> torch.Tensor:
-    """A ``weight_formats.Q4Blocks`` in the kernel's layout, (N / 16, K / 32, 320) bytes: per group
-    of 32 inputs and 16 outputs, four runs of 32 16-bit words (word 2 j + s of run t: output j's
-    input 8 t + 2 v + s in nibble v), then the outputs' scales and minimums in fp16 (the file's)."""
+def _scales(blocks) -> list[torch.Tensor]:
+    """The blocks' fp16 scales and minimums per block of 16 outputs, (N / 16, K / 32, 16) each."""
     n, k = blocks.q.shape
-    q = blocks.q.to(torch.int32).reshape(n // BLOCK, BLOCK, k // GROUP, 4, 4, 2)  # block, output, group, t, v, s
-    words = (q << torch.tensor([0, 4, 8, 12]).view(4, 1)).sum(-2)  # nibble v of each (output, t, s) word
-    codes = words.permute(0, 2, 3, 1, 4).reshape(n // BLOCK, k // GROUP, 4 * 2 * BLOCK).to(torch.uint16)
 
     def per_block(values: torch.Tensor) -> torch.Tensor:
         half = values.half()
@@ -60,8 +61,24 @@ def pack(blocks) -> torch.Tensor:
             raise ValueError("q4_dot takes Q4_1 scales and minimums that are fp16 numbers, as a GGUF stores them")
         return half.reshape(n // BLOCK, BLOCK, k // GROUP).permute(0, 2, 1)
 
-    parts = (codes, per_block(blocks.d), per_block(blocks.m))
+    return [per_block(blocks.d), per_block(blocks.m)]
+
+
+def packed(codes: torch.Tensor, blocks) -> torch.Tensor:
+    """``codes`` (N / 16, K / 32, bytes) followed, per group, by the blocks' fp16 scales and minimums."""
+    parts = (codes, *_scales(blocks))
     return torch.cat([part.contiguous().view(torch.uint8) for part in parts], dim=-1).contiguous()
+
+
+def pack(blocks) -> torch.Tensor:
+    """A ``weight_formats.Q4Blocks`` in the bf16 kernel's layout, (N / 16, K / 32, 320) bytes: per
+    group of 32 inputs and 16 outputs, four runs of 32 16-bit words (word 2 j + s of run t: output
+    j's input 8 t + 2 v + s in nibble v), then the outputs' scales and minimums in fp16 (the file's)."""
+    n, k = blocks.q.shape
+    q = blocks.q.to(torch.int32).reshape(n // BLOCK, BLOCK, k // GROUP, 4, 4, 2)  # block, output, group, t, v, s
+    words = (q << torch.tensor([0, 4, 8, 12]).view(4, 1)).sum(-2)  # nibble v of each (output, t, s) word
+    codes = words.permute(0, 2, 3, 1, 4).reshape(n // BLOCK, k // GROUP, 4 * 2 * BLOCK).to(torch.uint16)
+    return packed(codes, blocks)
 
 
 class Q4DotWeight:
@@ -75,7 +92,7 @@ class Q4DotWeight:
     def __init__(self, blocks) -> None:
         self.shape = tuple(blocks.q.shape)
         self.packed = pack(blocks)
-        lib = _kernel()
+        lib = library()
         self._kernel, self._floats, self._glu = lib.q4_dot, lib.q4_dot_floats, lib.q4_dot_glu
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -121,15 +138,20 @@ class Q4DotWeight:
         return out
 
 
-def rope_split(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int
+def rope_split(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,
+               q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, eps: float = 0.0
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A layer's QKV product ``qkv`` (T, (heads + 2 kv_heads) D), contiguous fp32, as attention
-    takes it: queries and keys with ``FastTarget.rope`` applied (``cos``, ``sin``: (T, heads +
-    kv_heads, D), contiguous), and values; each contiguous, in one call."""
+    takes it: queries and keys with ``FastTarget.rope`` applied (``cos``, ``sin``, contiguous:
+    (T, heads + kv_heads, D), a row per head, or (T, D) for all heads), each head first RMS-normed
+    where ``q_norm`` / ``k_norm`` (fp32 (D,), the drafter's) are given; and values; each
+    contiguous, in one call."""
     t, d = qkv.shape[0], cos.shape[-1]
+    table_heads = 1 if cos.dim() == 2 else cos.shape[1]
     q, k, v = torch.empty(t, heads, d), torch.empty(t, kv_heads, d), torch.empty(t, kv_heads, d)
-    _kernel().rope_split(qkv.data_ptr(), t, heads, kv_heads, d, cos.data_ptr(), sin.data_ptr(), q.data_ptr(),
-                         k.data_ptr(), v.data_ptr())
+    library().rope_split(qkv.data_ptr(), t, heads, kv_heads, d, cos.data_ptr(), sin.data_ptr(), table_heads,
+                         None if q_norm is None else q_norm.data_ptr(), None if k_norm is None else k_norm.data_ptr(),
+                         eps, q.data_ptr(), k.data_ptr(), v.data_ptr())
     return q, k, v
 
 
@@ -138,3 +160,4 @@ def q4_dot_weight(blocks) -> tuple[Q4DotWeight | None, str | None]:
     and why (scales that are not fp16 numbers among the reasons: PyTorch's int4 kernel runs them)."""
     why = cannot_run()
     return (None, why) if why else file_kernel(Q4DotWeight, blocks)
+

@@ -26,6 +26,7 @@ import torch
 from .aoti_layers import CompiledLayer, close_to_rounding
 from .families import FusedLayer
 from .kernels import probe_rows
+from .int8_rows import Q4Q8DotWeight
 from .q4_dot import Q4DotWeight, rope_split
 from .weight_formats import QuantizedLinear
 
@@ -78,7 +79,7 @@ def layers_refusal(target) -> str | None:
     for i, layer in enumerate(target.layers):
         for name in MATRICES:
             matrix = getattr(layer, name)
-            if not (isinstance(matrix, QuantizedLinear) and isinstance(matrix.kernel, Q4DotWeight)):
+            if not (isinstance(matrix, QuantizedLinear) and isinstance(matrix.kernel, (Q4DotWeight, Q4Q8DotWeight))):
                 return f"layer {i}'s {name} does not run q4_dot"
             if name != "qkv" and matrix.bias is not None:
                 return f"layer {i}'s {name} has a bias (only QKV's is added)"

@@ -33,7 +33,7 @@ SourceKind = Literal["hub", "path", "gguf", "random"]
 # "auto": bfloat16 where the device multiplies bf16 natively, else float32 (loading.resolve_dtype).
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("4bit", "8bit")
-WEIGHT_FORMATS = ("bf16", "int8", "int4", "w8a8")  # weight_formats.WEIGHT_FORMATS (kept here: this module imports no torch)
+WEIGHT_FORMATS = ("bf16", "int8", "int4", "w8a8", "w4a8")  # weight_formats.WEIGHT_FORMATS (kept here: this module imports no torch)
 KERNELS = ("onednn", "aoti")  # aoti_kernels.KERNELS
 PAIR_KEYS = {
     "description": "free text shown in the UI and `pairs`",

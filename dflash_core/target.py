@@ -43,6 +43,7 @@ from . import cuda_graphs
 from .aoti_layers import CompiledHalf, CompiledLayer
 from .families import ADAPTERS, FusedLayer, fast_path_reason
 from .int8_dot import Int8DotWeight, Q8DotWeight, int8_dot_weight, q8_dot_weight
+from .int8_rows import Q8Q8DotWeight, q8q8_dot_weight
 from .kv_cache import KVCache, round_capacity
 from .rollback import CacheRollback
 from .tree import DraftTree
@@ -268,14 +269,22 @@ class FastTarget:
 
             missing = w8a8_rows()[1]
             weights = "int8" if missing else weights
-        elif weights == "int4" and kernels == "aoti" and self.device.type == "cpu":
+        if weights == "w4a8" and self.device.type == "cpu":
+            # int8 rows need AVX512-VNNI: elsewhere the file's codes run with bf16 rows (int4), or int8 below
+            from .int8_rows import refusal
+
+            why = refusal()
+            missing = f"w4a8's kernel cannot run: {why}" if why else None
+            weights = "int4" if missing else weights
+        if weights == "int4" and kernels == "aoti" and self.device.type == "cpu":
             # PyTorch's own int4 kernel costs several 2-row passes for a 16-row one (docs/BENCHMARKS.md):
             # where q4_dot cannot run, the compiled int8 layers run instead.
             from .int8_dot import cannot_run
 
             why = cannot_run()
-            missing = f"q4_dot cannot run: {why}" if why else None
-            weights = "int8" if missing else weights
+            if why:
+                missing = f"{missing + '; ' if missing else ''}q4_dot cannot run: {why}"
+            weights = "int8" if why else weights
         if weights != "bf16":
             if asked == "w8a8" and calibration_ids is None:
                 raise ValueError("weights = 'w8a8' needs calibration_ids: token ids of a text whose activation maxima "
@@ -319,7 +328,7 @@ class FastTarget:
         (``weights = "int8"``) through its int8 GEMM; returns (kernels, note)."""
         from . import aoti_attention, aoti_kernels, aoti_layers
 
-        if self.weight_format == "int4" and self.device.type == "cpu":
+        if self.weight_format in ("int4", "w4a8") and self.device.type == "cpu":
             return self._q4_layers()
         if self.weight_format not in ("bf16", "int8", "w8a8"):
             return "onednn", f"asked for aoti, running oneDNN: the layers run {self.weight_format} kernels (no C++ GEMM for them)"
@@ -375,13 +384,14 @@ class FastTarget:
         return "aoti", f"{note}; {attention_note}; {head}"
 
     def _file_head(self) -> str | None:
-        """The LM head on the GGUF's own Q8_0 blocks (``int8_dot.q8_dot_weight``) where they are
-        the loaded head's weights and the kernel runs here; else why not."""
+        """The LM head on the GGUF's own Q8_0 blocks (``int8_dot.q8_dot_weight``; w4a8's with int8
+        rows, ``int8_rows.q8q8_dot_weight``) where they are the loaded head's weights and the kernel
+        runs here; else why not."""
         blocks = self._head_blocks
         if tuple(blocks.q.shape) != tuple(self._lm_head_weight.shape) or not torch.equal(
                 blocks.dequantize().to(self._lm_head_weight.dtype), self._lm_head_weight):
             return "the GGUF's Q8_0 output blocks are not the loaded head's weights"
-        head, why = q8_dot_weight(blocks)
+        head, why = q8q8_dot_weight(blocks) if self.weight_format == "w4a8" else q8_dot_weight(blocks)
         if head is not None:
             self._lm_head = QuantizedLinear(head)
         return why
@@ -392,6 +402,8 @@ class FastTarget:
         kernel = getattr(self._lm_head, "kernel", None)
         if isinstance(kernel, Q8DotWeight):
             return "the GGUF's Q8_0 blocks through bf16 dot products"
+        if isinstance(kernel, Q8Q8DotWeight):
+            return "the GGUF's Q8_0 blocks with int8 rows (VNNI)"
         note = ("int8 through bf16 dot products" if isinstance(kernel, Int8DotWeight)
                 else "int8 through the int8 GEMM" if self.weight_format != "bf16" else "through the C++ GEMM")
         return note + (f" (not the GGUF's Q8_0 blocks: {self._file_head_why})" if self._file_head_why else "")
@@ -399,11 +411,11 @@ class FastTarget:
     def _aoti_head(self, aoti_kernels) -> str | None:
         """The LM head through the C++ GEMM (the int8 one where the layers run int8: the head's
         113 MB in fp32 was then a step's largest read); why not, where it stays as it was."""
-        if self.weight_format == "int4" and self._head_blocks is not None:
+        if self.weight_format in ("int4", "w4a8") and self._head_blocks is not None:
             self._file_head_why = self._file_head()
             if self._file_head_why is None:
                 return None
-        if self.weight_format in ("int8", "w8a8", "int4"):
+        if self.weight_format in ("int8", "w8a8", "int4", "w4a8"):
             int8 = QuantizedLinear(Int8Weight(self._lm_head_weight, self.dtype))
             dot, _ = int8_dot_weight(int8.kernel)  # where it does not run, inductor's int8 GEMM
             head, why = (QuantizedLinear(dot), None) if dot else aoti_kernels.aoti_int8_linear(int8)

@@ -499,3 +499,20 @@ def assert_tree_nodes_are_their_paths(runner, prompt: list[int], seeds=range(3),
                 assert torch.equal(ref.features[-1], out.features[node]), (seed, node)
             else:
                 torch.testing.assert_close(ref.logits[-1], out.logits[node], rtol=0, atol=1e-4)
+
+
+def eager_layers_twin(runner):
+    """``runner`` (a ``FastTarget`` whose layers run fused, ``q4_layers``) with its layers eager
+    (the same products, the norms, adds and attention in PyTorch) and a cache of its own; its head,
+    the same. (A target built eager would not do: an fp32 target's oneDNN head gives a row other
+    numbers with the size of its pass on some CPUs, and the probe then runs it bf16.)"""
+    from dataclasses import fields
+
+    from dflash_core.families import FusedLayer
+    from dflash_core.kv_cache import KVCache
+
+    twin = copy.copy(runner)
+    twin.layers = [FusedLayer(**{f.name: getattr(layer, f.name) for f in fields(FusedLayer)}) for layer in runner.layers]
+    twin.attention, twin.compiled_layers = None, False
+    twin.cache = KVCache(runner.num_layers, runner.num_kv_heads, runner.head_dim, runner.dtype, runner.device)
+    return twin

@@ -46,7 +46,7 @@ import torch
 
 from .kernels import probe_rows, rows_match
 
-WEIGHT_FORMATS = ("bf16", "int8", "int4", "w8a8")
+WEIGHT_FORMATS = ("bf16", "int8", "int4", "w8a8", "w4a8")
 GROUP = 32  # inputs per block of Q4_1 and Q8_0, and the int4 kernel's group size we use
 
 
@@ -61,7 +61,7 @@ def kernel_available(fmt: str) -> bool:
         return _has("_weight_int8pack_mm")
     if fmt == "w8a8":
         return _has("_weight_int8pack_mm") and _has("_int_mm")
-    return fmt == "bf16"
+    return fmt in ("bf16", "w4a8")  # w4a8: our own kernel (q4_dot.q4q8_dot_weight says where it runs)
 
 
 # ------------------------------------------------------------------------------------ GGUF Q4_1
@@ -311,6 +311,16 @@ def quantize_q4(weight: torch.Tensor) -> Q4Blocks:
     return Q4Blocks(q, d, lo)
 
 
+def quantize_q8(weight: torch.Tensor) -> Q8Blocks:
+    """Q8_0 quantization (groups of 32 along the input dimension, symmetric: d = max |w| / 127, an
+    fp16 number as a GGUF stores it), as llama.cpp quantizes."""
+    n, k = weight.shape
+    w = weight.float().view(n, k // GROUP, GROUP)
+    d = (w.abs().amax(-1) / 127).clamp_min(1e-7).half().float()
+    q = (w / d[..., None]).round().clamp(-127, 127).to(torch.int8).view(n, k)
+    return Q8Blocks(q, d)
+
+
 def row_invariant(kernel, in_features: int, dtype: torch.dtype = torch.bfloat16) -> bool:
     """Whether ``kernel``'s rows are bit-identical whatever the number of rows in the call."""
     probe = probe_rows(in_features, dtype)
@@ -321,6 +331,8 @@ def supported_shape(fmt: str, weight_shape: tuple[int, ...]) -> str | None:
     n, k = weight_shape
     if fmt == "int4" and (k % GROUP or n % 8):
         return f"int4 needs in_features % {GROUP} == 0 and out_features % 8 == 0, not {n}x{k}"
+    if fmt == "w4a8" and (k % GROUP or n % 16):
+        return f"w4a8 needs in_features % {GROUP} == 0 and out_features % 16 == 0, not {n}x{k}"
     return None
 
 
@@ -368,7 +380,7 @@ def quantized_layers(layers: list, fmt: str, dtype: torch.dtype, q4_blocks: dict
     if fmt == "w8a8" and not int8_sums_exact():
         return None, ("torch._int_mm's int32 sums are not exact on this CPU (oneDNN without VNNI adds pairs of "
                       "byte products in 16 bits, which saturate)")
-    from_file = fmt == "int4" and q4_blocks is not None and all(
+    from_file = fmt in ("int4", "w4a8") and q4_blocks is not None and all(
         f"model.layers.{i}.{name}" in q4_blocks for i in range(len(layers)) for names in FUSED.values() for name in names)
     if from_file:
         # The blocks must be the loaded model's weights (same rows, same order), to its dtype's rounding.
@@ -391,13 +403,21 @@ def quantized_layers(layers: list, fmt: str, dtype: torch.dtype, q4_blocks: dict
                 if activation_max is None:
                     raise ValueError("w8a8 needs the layers' activation maxima (a calibration pass) for its smoothing factors")
                 kernel = DynamicInt8Weight(linear.weight, smoothing_factors(activation_max[i][field], linear.weight))
-            elif from_file:
-                blocks = Q4Blocks.cat([q4_blocks[f"model.layers.{i}.{name}"] for name in names])
-                if tuple(blocks.q.shape) != tuple(linear.weight.shape):
-                    return None, f"the GGUF's Q4_1 blocks for layer {i} {field} are {tuple(blocks.q.shape)}, the model's weight {tuple(linear.weight.shape)}"
-                kernel = int4_kernel(blocks, dtype)
             else:
-                kernel = int4_kernel(quantize_q4(linear.weight.float()), dtype)
+                if from_file:
+                    blocks = Q4Blocks.cat([q4_blocks[f"model.layers.{i}.{name}"] for name in names])
+                    if tuple(blocks.q.shape) != tuple(linear.weight.shape):
+                        return None, f"the GGUF's Q4_1 blocks for layer {i} {field} are {tuple(blocks.q.shape)}, the model's weight {tuple(linear.weight.shape)}"
+                else:
+                    blocks = quantize_q4(linear.weight.float())
+                if fmt == "w4a8":
+                    from .int8_rows import q4q8_dot_weight
+
+                    kernel, why = q4q8_dot_weight(blocks)
+                    if kernel is None:
+                        return None, f"the w4a8 kernel does not run layer {i}'s {field}: {why}"
+                else:
+                    kernel = int4_kernel(blocks, dtype)
             # Kernels pick their code path by shape and row count, not by values: one probe per shape.
             shape = tuple(linear.weight.shape)
             if (shape, kernel.fmt) not in checked:
@@ -412,6 +432,9 @@ def quantized_layers(layers: list, fmt: str, dtype: torch.dtype, q4_blocks: dict
     elif fmt == "w8a8":
         note = ("w8a8: qkv, o and gate_up int8 x int8 (rows quantized per row after SmoothQuant factors from a "
                 "calibration text), down int8 weight-only; weights requantized from the loaded ones")
+    elif fmt == "w4a8":
+        note = ("w4a8: " + ("the GGUF's own Q4_1 blocks" if from_file else "Q4_1 groups of 32 (requantized from the "
+                "loaded weights)") + ", the rows int8 per group of 32 as llama.cpp rounds them (AVX512-VNNI)")
     elif from_file:
         from .q4_dot import Q4DotWeight
 

@@ -96,8 +96,8 @@ def test_the_probe_refuses_a_layer_whose_weights_were_put_together_wrongly(kerne
                                               CompiledHalf(*layer_library(after_spec, "after"), after))
     wrong = aoti_drafter.CompiledDrafterLayer(layer, CompiledHalf(*aoti_drafter.before_library(before_spec), before),
                                               CompiledHalf(*layer_library(after_spec, "after"), swapped))
-    assert aoti_drafter._probe(layer, right, "float32")
-    assert not aoti_drafter._probe(layer, wrong, "float32")
+    assert aoti_drafter.probe_layer(layer, right, "float32")
+    assert not aoti_drafter.probe_layer(layer, wrong, "float32")
 
 
 @pytest.mark.slow
@@ -135,4 +135,4 @@ def test_w8a8_drafter_layers_round_their_rows_as_the_targets_and_keep_the_output
                "gate_up.codes_t": torch.cat((after["gate_up.codes_t"][:, half:], after["gate_up.codes_t"][:, :half]), 1)}
     wrong = aoti_drafter.CompiledDrafterLayer(layer, CompiledHalf(*aoti_drafter.before_library(before_spec), before),
                                               CompiledHalf(*layer_library(after_spec, "after"), swapped))
-    assert not aoti_drafter._probe(layer, wrong, "w8a8")
+    assert not aoti_drafter.probe_layer(layer, wrong, "w8a8", aoti_drafter.W8A8_TOLERANCE)

@@ -5,18 +5,15 @@ fusion, and the int8 layers where q4_dot cannot run, with the reason in the load
 
 from __future__ import annotations
 
-import copy
-from dataclasses import fields
 
 import pytest
 import torch
 
 from dflash_core import aoti_attention, aoti_kernels, int8_dot, q4_dot, q4_layers
-from dflash_core.families import FusedLayer
-from dflash_core.kv_cache import KVCache
 from dflash_core.target import FastTarget
+from dflash_core.weight_formats import quantize_q8
 from dflash_core.testing import (PROMPTS, assert_greedy_lossless, assert_greedy_tree_lossless, assert_same_logits,
-                                 assert_tree_nodes_are_their_paths, tiny_target, two_shape_llama)
+                                 assert_tree_nodes_are_their_paths, eager_layers_twin, tiny_target, two_shape_llama)
 
 needs_kernels = pytest.mark.skipif(int8_dot.cannot_run() is not None or not aoti_kernels.available(),
                                    reason=f"q4_dot or AOTInductor cannot run here: {int8_dot.cannot_run()}")
@@ -64,18 +61,6 @@ def test_rotary_and_the_split_are_fastertargets_bit_for_bit_and_silu_times_up_to
     assert torch.equal(lone, down.glu(gate_up, add=add))
 
 
-def eager_twin(runner: FastTarget) -> FastTarget:
-    """``runner`` with its layers eager (the same q4_dot products, the norms, adds and attention in
-    PyTorch) and a cache of its own; its head, the same. (A target built eager would not do: an
-    fp32 target's oneDNN head gives a row other numbers with the size of its pass on some CPUs, and
-    the probe then runs it bf16.)"""
-    twin = copy.copy(runner)
-    twin.layers = [FusedLayer(**{f.name: getattr(layer, f.name) for f in fields(FusedLayer)}) for layer in runner.layers]
-    twin.attention, twin.compiled_layers = None, False
-    twin.cache = KVCache(runner.num_layers, runner.num_kv_heads, runner.head_dim, runner.dtype, runner.device)
-    return twin
-
-
 @needs_kernels
 @pytest.mark.slow
 def test_fused_layers_are_the_eager_int4_layers_and_lossless(kernel_cache):
@@ -88,7 +73,7 @@ def test_fused_layers_are_the_eager_int4_layers_and_lossless(kernel_cache):
                for layer in runner.layers)
     assert isinstance(runner.attention, aoti_attention.CompiledAttention) and runner.batch_invariant
     # The eager layers of the same products: the same logits to rounding.
-    assert_same_logits(runner, eager_twin(runner), PROMPTS[0], 1e-3)
+    assert_same_logits(runner, eager_layers_twin(runner), PROMPTS[0], 1e-3)
     assert_greedy_lossless(runner, model, max_new_tokens=90)
     assert_tree_nodes_are_their_paths(runner, PROMPTS[0][:-1], seeds=range(3))
     assert_tree_nodes_are_their_paths(runner, list(range(4, 64)), seeds=range(3))
@@ -102,7 +87,7 @@ def test_qkv_biases_and_qk_norms_are_applied_too(family, kernel_cache):
     model = tiny_qwen2() if family == "qwen2" else tiny_target("qwen3", layers=3)
     runner = FastTarget(model, weights="int4", kernels="aoti")
     assert runner.kernel_note.startswith(NOTE), runner.kernel_note
-    assert_same_logits(runner, eager_twin(runner), PROMPTS[0], 1e-3)
+    assert_same_logits(runner, eager_layers_twin(runner), PROMPTS[0], 1e-3)
     assert_greedy_lossless(runner, model, max_new_tokens=40)
 
 
@@ -144,21 +129,10 @@ def test_where_q4_dot_cannot_run_the_int8_layers_run_and_the_note_says_why(monke
                                       "position's logits independent of the size of its pass on this CPU")
 
 
-def q8_0(weight: torch.Tensor):
-    """``weight`` as Q8_0 blocks (one fp16 scale per 32 inputs, codes -127..127), as llama.cpp quantizes."""
-    from dflash_core.weight_formats import Q8Blocks
-
-    n, k = weight.shape
-    groups = weight.float().view(n, k // 32, 32)
-    d = (groups.abs().amax(-1) / 127).clamp_min(1e-7).half().float()
-    q = (groups / d[..., None]).round().clamp(-127, 127).to(torch.int8).view(n, k)
-    return Q8Blocks(q, d)
-
-
 @needs_kernels
 def test_the_lm_head_runs_the_files_q8_0_blocks_where_they_are_the_loaded_heads_weights(kernel_cache):
     model = two_shape_llama()
-    blocks = q8_0(model.lm_head.weight.detach())
+    blocks = quantize_q8(model.lm_head.weight.detach())
     with torch.no_grad():
         model.lm_head.weight.copy_(blocks.dequantize())  # as loading a GGUF dequantizes it
     runner = FastTarget(model, weights="int4", kernels="aoti", q4_blocks={"lm_head": blocks})
@@ -166,7 +140,7 @@ def test_the_lm_head_runs_the_files_q8_0_blocks_where_they_are_the_loaded_heads_
     assert isinstance(runner._lm_head.kernel, int8_dot.Q8DotWeight)
     assert_greedy_lossless(runner, model, max_new_tokens=40)
     # Blocks of another matrix: the int8 head, and the note says why.
-    other = q8_0(torch.randn(model.lm_head.weight.shape, generator=torch.Generator().manual_seed(3)))
+    other = quantize_q8(torch.randn(model.lm_head.weight.shape, generator=torch.Generator().manual_seed(3)))
     runner = FastTarget(model, weights="int4", kernels="aoti", q4_blocks={"lm_head": other})
     head = "int8 through bf16 dot products" if int8_dot.unavailable() is None else "int8 through the int8 GEMM"
     assert runner.kernel_note.endswith(f"{head} (not the GGUF's Q8_0 blocks: the GGUF's Q8_0 output blocks are not "

@@ -30,6 +30,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace {
 
@@ -169,6 +170,13 @@ inline __m512 exp_ps(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// SiLU(gate) x up for 16 lanes.
+inline __m512 silu_times_up(const float* gate, const float* up) {
+  const __m512 g = _mm512_loadu_ps(gate);
+  const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+  return _mm512_mul_ps(silu, _mm512_loadu_ps(up));
+}
+
 }  // namespace
 
 // q4_dot of the rows SiLU(gu[:, :I]) x gu[:, I:] (gu (M, 2 I) fp32), rounded to bf16 into the
@@ -178,26 +186,36 @@ extern "C" void q4_dot_glu(const float* gu, int64_t M, int64_t K, uint16_t* rows
   for (int64_t m = 0; m < M; ++m) {
     const float* gate = gu + m * 2 * K;
     const float* up = gate + K;
-    for (int64_t k = 0; k < K; k += 16) {  // K is a multiple of 32
-      const __m512 g = _mm512_loadu_ps(gate + k);
-      const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-      const __m512 value = _mm512_mul_ps(silu, _mm512_loadu_ps(up + k));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(rows + m * K + k), (__m256i)_mm512_cvtneps_pbh(value));
-    }
+    for (int64_t k = 0; k < K; k += 16)  // K is a multiple of 32
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(rows + m * K + k), (__m256i)_mm512_cvtneps_pbh(silu_times_up(gate + k, up + k)));
   }
   q4_dot(rows, M, K, q, xsum, add, y, N, threads);
 }
 
 // qkv (T, H + 2 KV, D) fp32 into q (T, H, D) and k (T, KV, D) with rotary applied,
-// x * cos + roll(x, D / 2) * sin as FastTarget.rope computes it (cos, sin (T, H + KV, D)), and v (T, KV, D).
+// x * cos + roll(x, D / 2) * sin as FastTarget.rope computes it, and v (T, KV, D). The tables
+// cos, sin are (T, table_heads, D): a row per head (table_heads = H + KV) or one for all
+// (table_heads = 1). Where q_norm / k_norm (D) are given, each query / key head is first RMS-normed
+// as the drafter's RMSNorm does it: weight * (x * 1 / sqrt(mean(x^2) + eps)).
 extern "C" void rope_split(const float* qkv, int64_t T, int64_t H, int64_t KV, int64_t D, const float* cos,
-                           const float* sin, float* q, float* k, float* v) {
+                           const float* sin, int64_t table_heads, const float* q_norm, const float* k_norm, float eps,
+                           float* q, float* k, float* v) {
   const int64_t half = D / 2, heads = H + 2 * KV;
+  std::vector<float> normed(D);
   for (int64_t t = 0; t < T; ++t) {
     for (int64_t h = 0; h < H + KV; ++h) {
       const float* x = qkv + (t * heads + h) * D;
-      const float* c = cos + (t * (H + KV) + h) * D;
-      const float* s = sin + (t * (H + KV) + h) * D;
+      const float* weight = h < H ? q_norm : k_norm;
+      if (weight) {
+        float squares = 0.0f;
+        for (int64_t d = 0; d < D; ++d) squares += x[d] * x[d];
+        const float scale = 1.0f / std::sqrt(squares / static_cast<float>(D) + eps);
+        for (int64_t d = 0; d < D; ++d) normed[d] = weight[d] * (x[d] * scale);
+        x = normed.data();
+      }
+      const int64_t table = (t * table_heads + (table_heads == 1 ? 0 : h)) * D;
+      const float* c = cos + table;
+      const float* s = sin + table;
       float* out = h < H ? q + (t * H + h) * D : k + (t * KV + h - H) * D;
       for (int64_t d = 0; d < D; ++d) {
         const float rolled = x[d < half ? d + half : d - half];
@@ -208,4 +226,170 @@ extern "C" void rope_split(const float* qkv, int64_t T, int64_t H, int64_t KV, i
     }
     std::memcpy(v + t * KV * D, qkv + (t * heads + H + KV) * D, sizeof(float) * KV * D);
   }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Rows as int8, as llama.cpp multiplies a GGUF's matrices (its Q8_1 / Q8_0 rows): each row's group
+// of 32 inputs becomes codes r = round(x / s), s = max |x| / 127, and the group's products are sums
+// of byte products, exact in int32 on AVX512-VNNI's vpdpbusd (64 an instruction, twice vdpbf16ps'
+// pairs), one unsigned and one signed byte each:
+//   Q4_1 weights (d, m, codes q in 0..15, the unsigned bytes):  s * (d * sum(r * q) + m * sum(r))
+//   Q8_0 weights (d, signed codes c; the rows' r + 128 the unsigned bytes):
+//                                                               s * d * (sum((r + 128) * c) - 128 * sum(c))
+// Layouts (int8_rows.py packs them), per group of 32 inputs and 16 outputs:
+//   Q4 (320 bytes): four runs of 64 bytes (run t: byte 4 j + i holds output j's input 8 t + i in its
+//     low nibble, 8 t + 4 + i in its high one: one and / one shift + and give vpdpbusd's bytes),
+//     then the outputs' fp16 scales and minimums (the file's);
+//   Q8 (640 bytes): eight runs of 64 signed codes (run p: byte 4 j + i is output j's input 4 p + i),
+//     then the outputs' fp32 scales and their int32 128 * sum(c).
+// A row's sums run in one fixed order whatever the rows beside it.
+
+namespace {
+
+enum Format { Q4 = 0, Q8 = 1 };
+
+template <int F>
+constexpr int64_t FORMAT_BYTES = F == Q4 ? 320 : 640;
+
+// (M, K) fp32 rows into int8 codes (M, K) (plus 128 as unsigned bytes where ``shift``) and, per
+// group, its scale s and s * sum(codes) (M, K / 32, 2).
+void quantize_rows(const float* x, int64_t M, int64_t K, bool shift, int8_t* codes, float* scales) {
+  const int64_t groups = K / 32;
+  const __m128i flip = _mm_set1_epi8(static_cast<char>(shift ? 0x80 : 0));
+  for (int64_t i = 0; i < M * groups; ++i) {
+    const __m512 a = _mm512_loadu_ps(x + 32 * i), b = _mm512_loadu_ps(x + 32 * i + 16);
+    const float largest = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+    const float s = largest / 127.0f;
+    const __m512 inverse = _mm512_set1_ps(s > 0.0f ? 1.0f / s : 0.0f);
+    const __m512i ra = _mm512_cvtps_epi32(_mm512_mul_ps(a, inverse));  // to nearest, ties to even
+    const __m512i rb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inverse));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + 32 * i), _mm_xor_si128(_mm512_cvtepi32_epi8(ra), flip));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + 32 * i + 16), _mm_xor_si128(_mm512_cvtepi32_epi8(rb), flip));
+    scales[2 * i] = s;
+    scales[2 * i + 1] = s * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(ra, rb)));
+  }
+}
+
+// MB rows times NB blocks of 16 outputs starting at block nb0.
+template <int F, int MB, int NB>
+void tile8(const int8_t* x, const float* xs, int64_t K, const uint8_t* q, const float* add, float* y, int64_t N,
+           int64_t nb0) {
+  __m512 total[MB][NB];
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < NB; ++j) total[m][j] = _mm512_setzero_ps();
+  const int64_t groups = K / 32;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int j = 0; j < NB; ++j) {
+      const uint8_t* run = q + ((nb0 + j) * groups + g) * FORMAT_BYTES<F>;
+      __m512i codes[8];
+      __m512 scale, minimum;
+      __m512i offset;
+      if constexpr (F == Q4) {
+        for (int t = 0; t < 4; ++t) {
+          const __m512i w = _mm512_loadu_si512(run + 64 * t);
+          codes[2 * t] = _mm512_and_si512(w, low);
+          codes[2 * t + 1] = _mm512_and_si512(_mm512_srli_epi16(w, 4), low);
+        }
+        scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(run + 256)));
+        minimum = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(run + 288)));
+      } else {
+        for (int p = 0; p < 8; ++p) codes[p] = _mm512_loadu_si512(run + 64 * p);
+        scale = _mm512_loadu_ps(reinterpret_cast<const float*>(run + 512));
+        offset = _mm512_loadu_si512(run + 576);
+      }
+#pragma GCC unroll 16  // every row's accumulator stays in a register
+      for (int m = 0; m < MB; ++m) {
+        const int8_t* row = x + m * K + 32 * g;
+        __m512i sum = _mm512_setzero_si512();
+#pragma GCC unroll 8
+        for (int p = 0; p < 8; ++p) {
+          int32_t four;
+          std::memcpy(&four, row + 4 * p, sizeof four);
+          const __m512i rows4 = _mm512_set1_epi32(four);
+          sum = F == Q4 ? _mm512_dpbusd_epi32(sum, codes[p], rows4) : _mm512_dpbusd_epi32(sum, rows4, codes[p]);
+        }
+        const float* s = xs + 2 * (m * groups + g);
+        if constexpr (F == Q4) {
+          total[m][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(scale, _mm512_set1_ps(s[0])), total[m][j]);
+          total[m][j] = _mm512_fmadd_ps(_mm512_set1_ps(s[1]), minimum, total[m][j]);
+        } else {
+          total[m][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sum, offset)),
+                                        _mm512_mul_ps(scale, _mm512_set1_ps(s[0])), total[m][j]);
+        }
+      }
+    }
+  }
+  for (int j = 0; j < NB; ++j)
+    for (int m = 0; m < MB; ++m) {
+      const int64_t at = m * N + (nb0 + j) * 16;
+      _mm512_storeu_ps(y + at, add ? _mm512_add_ps(total[m][j], _mm512_loadu_ps(add + at)) : total[m][j]);
+    }
+}
+
+// Up to 16 rows in one pass over the weights; fewer rows take more output blocks at once.
+template <int F, int MB>
+void rows8(const int8_t* x, const float* xs, int64_t K, const uint8_t* q, const float* add, float* y, int64_t N,
+           int threads) {
+  constexpr int NB = MB <= 2 ? 4 : (MB <= 4 ? 2 : 1);
+  const int64_t blocks = N / 16;
+  const int64_t sets = blocks / NB;
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t s = 0; s < sets; ++s) tile8<F, MB, NB>(x, xs, K, q, add, y, N, s * NB);
+  for (int64_t nb = sets * NB; nb < blocks; ++nb) tile8<F, MB, 1>(x, xs, K, q, add, y, N, nb);
+}
+
+using Rows8Fn = void (*)(const int8_t*, const float*, int64_t, const uint8_t*, const float*, float*, int64_t, int);
+
+template <int F>
+constexpr Rows8Fn BY_ROWS8[17] = {nullptr,       rows8<F, 1>,  rows8<F, 2>,  rows8<F, 3>,  rows8<F, 4>,  rows8<F, 5>,
+                                  rows8<F, 6>,   rows8<F, 7>,  rows8<F, 8>,  rows8<F, 9>,  rows8<F, 10>, rows8<F, 11>,
+                                  rows8<F, 12>,  rows8<F, 13>, rows8<F, 14>, rows8<F, 15>, rows8<F, 16>};
+
+void int8_rows_product(int format, const float* rows, int64_t M, int64_t K, const uint8_t* q, const float* add,
+                       float* y, int64_t N, int threads) {
+  thread_local std::vector<int8_t> codes;
+  thread_local std::vector<float> scales;
+  codes.resize(M * K);
+  scales.resize(2 * M * (K / 32));
+  quantize_rows(rows, M, K, format == Q8, codes.data(), scales.data());
+  for (int64_t m0 = 0; m0 < M; m0 += 16) {
+    const int64_t mb = M - m0 < 16 ? M - m0 : 16;
+    const Rows8Fn fn = format == Q4 ? BY_ROWS8<Q4>[mb] : BY_ROWS8<Q8>[mb];
+    fn(codes.data() + m0 * K, scales.data() + 2 * m0 * (K / 32), K, q, add ? add + m0 * N : nullptr, y + m0 * N, N,
+       threads);
+  }
+}
+
+}  // namespace
+
+// The product of fp32 rows x (M, K) quantized per group of 32 to int8 with the matrix q of
+// ``format`` (0: Q4, 1: Q8; layouts above), after FastTarget.norm's RMS norm where ``norm`` (K)
+// is given (the normed rows into the scratch ``normed`` (M, K)); plus an optional fp32 residual
+// ``add`` (M, N); fp32 out.
+extern "C" void int8_rows_floats(int format, const float* x, int64_t M, int64_t K, const float* norm, float eps,
+                                 float* normed, const uint8_t* q, const float* add, float* y, int64_t N, int threads) {
+  if (norm) {
+    for (int64_t m = 0; m < M; ++m) {
+      const float* row = x + m * K;
+      float squares = 0.0f;
+      for (int64_t k = 0; k < K; ++k) squares += row[k] * row[k];
+      const float scale = 1.0f / std::sqrt(squares / static_cast<float>(K) + eps);
+      for (int64_t k = 0; k < K; ++k) normed[m * K + k] = norm[k] * (row[k] * scale);
+    }
+    x = normed;
+  }
+  int8_rows_product(format, x, M, K, q, add, y, N, threads);
+}
+
+// int8_rows_floats of the rows SiLU(gu[:, :I]) x gu[:, I:] (gu (M, 2 I) fp32, into the scratch
+// ``rows`` (M, I)): K = I.
+extern "C" void int8_rows_glu(int format, const float* gu, int64_t M, int64_t K, float* rows, const uint8_t* q,
+                              const float* add, float* y, int64_t N, int threads) {
+  for (int64_t m = 0; m < M; ++m) {
+    const float* gate = gu + m * 2 * K;
+    const float* up = gate + K;
+    for (int64_t k = 0; k < K; k += 16) _mm512_storeu_ps(rows + m * K + k, silu_times_up(gate + k, up + k));
+  }
+  int8_rows_product(format, rows, M, K, q, add, y, N, threads);
 }

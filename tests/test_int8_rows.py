@@ -1,0 +1,199 @@
+"""A GGUF's matrices with int8 rows, as llama.cpp multiplies them (``int8_rows``): the layouts, the
+products (llama.cpp's arithmetic on the file's weights to fp32 rounding), every row's numbers
+independent of the rows beside it, the w4a8 target lossless with its fused layers and Q8_0 head,
+the drafter beside it on the same kernels, and the fallbacks where the CPU has no VNNI."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from dflash_core import aoti_kernels, int8_rows, q4_dot, q4_layers, q8_drafter
+from dflash_core.drafter import RMSNorm, apply_rope
+from dflash_core.speculative import GenerationConfig, collect, stream
+from dflash_core.target import FastTarget
+from dflash_core.testing import (PROMPTS, assert_greedy_lossless, assert_greedy_tree_lossless, assert_same_logits,
+                                 eager_layers_twin, tiny_drafter, tiny_target, two_shape_llama)
+from dflash_core.weight_formats import Q4Blocks, Q8Blocks, quantize_q4, quantize_q8
+
+needs_kernels = pytest.mark.skipif(int8_rows.refusal() is not None, reason=f"int8_rows cannot run here: {int8_rows.refusal()}")
+needs_aoti = pytest.mark.skipif(int8_rows.refusal() is not None or not aoti_kernels.available(),
+                                reason=f"int8_rows or AOTInductor cannot run here: {int8_rows.refusal()}")
+
+
+def int8_rows_reference(x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """llama.cpp's arithmetic in float64: each row's group of 32 rounded to int8 with its own scale
+    (max |x| / 127, to nearest), times the dequantized weights."""
+    m, k = x.shape
+    groups = x.double().view(m, k // 32, 32)
+    scale = groups.abs().amax(-1, keepdim=True) / 127
+    codes = torch.round(groups / torch.where(scale > 0, scale, 1.0))
+    return (codes * scale).view(m, k) @ weights.double().T
+
+
+def test_the_q4_layout_is_nibble_pairs_four_inputs_apart_then_the_files_fp16_scales_and_minimums():
+    q = Q4Blocks(torch.arange(16 * 64).reshape(16, 64) % 16, torch.full((16, 2), 0.5), torch.full((16, 2), -2.0))
+    q.d[3, 1], q.m[5, 1] = 0.25, -1.5
+    group = int8_rows.pack_q4(q)[0, 1]  # inputs 32..63
+    assert group.shape == (320,)
+    for t in range(4):
+        run = group[64 * t : 64 * (t + 1)]
+        for j in range(16):
+            for i in range(4):
+                byte = int(run[4 * j + i])
+                assert (byte & 15, byte >> 4) == (int(q.q[j, 32 + 8 * t + i]), int(q.q[j, 32 + 8 * t + 4 + i]))
+    assert torch.equal(group[256:288].view(torch.float16).float(), q.d[:, 1])
+    assert torch.equal(group[288:].view(torch.float16).float(), q.m[:, 1])
+
+
+def test_the_q8_layout_is_runs_of_four_inputs_then_fp32_scales_and_128_times_the_codes_sums():
+    generator = torch.Generator().manual_seed(0)
+    q = Q8Blocks(torch.randint(-127, 128, (32, 64), generator=generator, dtype=torch.int8), torch.rand(32, 2) + 0.5)
+    group = int8_rows.pack_q8(q)[1, 1]  # outputs 16..31, inputs 32..63
+    assert group.shape == (640,)
+    codes = group[:512].view(torch.int8).view(8, 16, 4)  # run p, output j, input 4 p + i
+    assert torch.equal(codes.permute(1, 0, 2).reshape(16, 32), q.q[16:, 32:])
+    assert torch.equal(group[512:576].view(torch.float32), q.d[16:, 1])
+    assert torch.equal(group[576:].view(torch.int32), 128 * q.q[16:, 32:].to(torch.int32).sum(1))
+
+
+def test_quantize_q8_rounds_as_llama_cpp_with_fp16_scales():
+    weight = torch.randn(16, 64, generator=torch.Generator().manual_seed(0))
+    blocks = quantize_q8(weight)
+    assert blocks.q.dtype == torch.int8 and int(blocks.q.abs().max()) == 127
+    assert torch.equal(blocks.d.half().float(), blocks.d)
+    assert (blocks.dequantize() - weight).abs().max() <= blocks.d.max() / 2 + 1e-6
+
+
+@needs_kernels
+@pytest.mark.parametrize("fmt", ["q4", "q8"])
+@pytest.mark.parametrize("shape", [(64, 64), (576, 1536), (960, 576)])
+def test_products_are_llama_cpps_arithmetic_to_fp32_rounding_and_rows_never_depend_on_their_company(fmt, shape):
+    generator = torch.Generator().manual_seed(1)
+    weight = torch.randn(*shape, generator=generator) / shape[1] ** 0.5
+    blocks = quantize_q4(weight) if fmt == "q4" else quantize_q8(weight)
+    kernel = int8_rows.Q4Q8DotWeight(blocks) if fmt == "q4" else int8_rows.Q8Q8DotWeight(blocks)
+    rows = torch.randn(40, shape[1], generator=generator)
+    rows[3, :32] = 0.0  # a group of zeros (scale 0)
+    got = kernel(rows)
+    want = int8_rows_reference(rows, blocks.dequantize())
+    assert ((got.double() - want).norm() / want.norm()).item() < 1e-5
+    # int8 rows round more than bf16 ones, less than the tolerance the probe allows them
+    exact = rows.double() @ blocks.dequantize().double().T
+    assert 1e-3 < ((got.double() - exact).norm() / exact.norm()).item() < int8_rows.Int8RowsWeight.tolerance
+    for count in range(1, 41):  # across the kernel's passes of 16 rows and the tile widths of few rows
+        assert torch.equal(kernel(rows[:count]), got[:count]), count
+    # the fused calls: the RMS norm inside, SiLU x up inside, a residual added
+    norm, add = torch.rand(shape[1], generator=generator) + 0.5, torch.randn(40, shape[0], generator=generator)
+    normed = norm * (rows * torch.rsqrt(rows.pow(2).mean(-1, keepdim=True) + 1e-5))
+    assert torch.allclose(kernel.floats(rows, norm, 1e-5, add=add), kernel(normed) + add, rtol=1e-4, atol=1e-4)
+    gate_up = torch.randn(40, 2 * shape[1], generator=generator)
+    gate, up = gate_up.chunk(2, dim=-1)
+    silu = kernel(torch.nn.functional.silu(gate) * up)
+    assert (kernel.glu(gate_up, add=add) - add - silu).norm() <= 1e-2 * silu.norm()
+
+
+def test_where_the_cpu_has_no_vnni_the_kernels_refuse_and_say_why(monkeypatch):
+    monkeypatch.setattr(int8_rows, "cannot_run", lambda: None)
+    monkeypatch.setattr(torch.cpu, "_is_vnni_supported", lambda: False)
+    assert int8_rows.refusal() == "this CPU has no AVX512-VNNI"
+    assert int8_rows.q4q8_dot_weight(quantize_q4(torch.randn(16, 32))) == (None, "this CPU has no AVX512-VNNI")
+
+
+@needs_kernels
+def test_rope_split_norms_each_head_and_takes_one_table_for_all_heads_as_the_drafter_does():
+    generator = torch.Generator().manual_seed(0)
+    heads, kv_heads, d, rows = 4, 2, 16, 5
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * d, generator=generator)
+    cos, sin = (torch.randn(rows, d, generator=generator) for _ in range(2))
+    q_norm, k_norm = RMSNorm(d, 1e-6), RMSNorm(d, 1e-6)
+    with torch.no_grad():
+        q_norm.weight.uniform_(0.5, 1.5, generator=generator)
+        k_norm.weight.uniform_(0.5, 1.5, generator=generator)
+    q, k, v = q4_dot.rope_split(qkv, cos, q8_drafter._signed_sin(sin), heads, kv_heads, q_norm.weight.detach(),
+                                k_norm.weight.detach(), 1e-6)
+    split = qkv.view(rows, heads + 2 * kv_heads, d).transpose(0, 1)[None]  # (1, heads, T, D) as the drafter has it
+    with torch.no_grad():
+        want_q = apply_rope(q_norm(split[:, :heads]), cos[None], sin[None])
+        want_k = apply_rope(k_norm(split[:, heads : heads + kv_heads]), cos[None], sin[None])
+    assert torch.allclose(q, want_q[0].transpose(0, 1), atol=1e-5) and torch.allclose(k, want_k[0].transpose(0, 1), atol=1e-5)
+    assert torch.equal(v, split[0, heads + kv_heads :].transpose(0, 1))
+
+
+@needs_aoti
+@pytest.mark.slow
+def test_w4a8_layers_and_q8_0_head_are_the_eager_ones_and_lossless(kernel_cache):
+    model = two_shape_llama()
+    head_blocks = quantize_q8(model.lm_head.weight.detach())
+    with torch.no_grad():
+        model.lm_head.weight.copy_(head_blocks.dequantize())  # as loading a GGUF dequantizes it
+    runner = FastTarget(model, weights="w4a8", kernels="aoti", q4_blocks={"lm_head": head_blocks})
+    assert runner.weight_format == "w4a8", runner.weight_note
+    assert runner.weight_note.startswith("w4a8: Q4_1 groups of 32 (requantized from the loaded weights), the rows int8")
+    assert runner.kernel_note == ("3 of 3 decoder layers on the GGUF's Q4_1 codes with their norms and residual adds "
+                                  "inside the products; attention compiled; the LM head the GGUF's Q8_0 blocks with "
+                                  "int8 rows (VNNI)")
+    assert all(isinstance(layer.after.down, int8_rows.Q4Q8DotWeight) for layer in runner.layers)
+    assert isinstance(runner._lm_head.kernel, int8_rows.Q8Q8DotWeight) and runner.batch_invariant
+    assert_same_logits(runner, eager_layers_twin(runner), PROMPTS[0], 1e-3)
+    assert_greedy_lossless(runner, model, max_new_tokens=90)
+    assert_greedy_tree_lossless(runner, model, max_new_tokens=60)
+
+
+@needs_aoti
+@pytest.mark.slow
+def test_w4a8_applies_qk_norms_eagerly_and_stays_lossless(kernel_cache):
+    model = tiny_target("qwen3", layers=3)
+    runner = FastTarget(model, weights="w4a8", kernels="aoti")
+    assert runner.weight_format == "w4a8" and runner.compiled_layers, runner.kernel_note
+    assert_same_logits(runner, eager_layers_twin(runner), PROMPTS[0], 1e-3)
+    assert_greedy_lossless(runner, model, max_new_tokens=40)
+
+
+def test_where_int8_rows_cannot_run_the_int4_layers_run_and_the_note_says_why(monkeypatch):
+    monkeypatch.setattr(int8_rows, "refusal", lambda: "this CPU has no AVX512-VNNI")
+    monkeypatch.setenv("DFLASH_AOTI_WHOLE_LAYERS", "0")
+    monkeypatch.setattr(aoti_kernels, "available", lambda: False)
+    runner = FastTarget(two_shape_llama(), weights="w4a8")  # eager kernels: no builds
+    assert runner.weight_note.startswith("asked for w4a8, running "), runner.weight_note
+    assert "w4a8's kernel cannot run: this CPU has no AVX512-VNNI" in runner.weight_note  # int4's kernels, or bf16 where their rows move
+    assert runner.weight_format in ("int4", "bf16")
+
+
+@needs_kernels
+def test_the_drafter_beside_a_w4a8_target_runs_q8_0_with_int8_rows_and_keeps_the_output():
+    model = two_shape_llama()
+    runner = FastTarget(model, weights="w4a8")
+    drafter = tiny_drafter(model, layers=2)
+    eager = copy.deepcopy(drafter)
+    note = q8_drafter.int8_rows_drafter(drafter)
+    assert note == ("Q8_0 matrices with int8 rows (VNNI) for 15 matrices and the draft head; 2 of 2 layers' decode "
+                    "passes in a few fused calls")
+    assert all(isinstance(layer.compiled, q8_drafter.Q8DrafterLayer) for layer in drafter.layers)
+    agree = total = 0
+    for prompt in PROMPTS:
+        ar = collect(stream(runner, None, prompt, GenerationConfig(max_new_tokens=40, block_size=1).validated(16)))
+        cfg = GenerationConfig(max_new_tokens=40, block_size=8).validated(16)
+        got, want = (collect(stream(runner, d, prompt, cfg)) for d in (drafter, eager))
+        assert got.token_ids == ar.token_ids  # drafts may move with the rounding, the output may not
+        agree += sum(a == b for a, b in zip(got.acceptance_lengths, want.acceptance_lengths))
+        total += len(want.acceptance_lengths)
+    assert agree >= 0.8 * total  # mostly the same drafts as the fp32 drafter's
+    # A layer whose weights were put together wrongly is refused by the probe.
+    layer = tiny_drafter(model).layers[0]
+    wrong = q8_drafter.Q8DrafterLayer(layer)
+    wrong.gate_up = q8_drafter.q8_matrix(torch.cat((layer.mlp.up_proj.weight, layer.mlp.gate_proj.weight)))
+    assert not q8_drafter.probe_layer(layer, wrong, "w8a8", q8_drafter.W8A8_TOLERANCE)
+    assert q8_drafter.probe_layer(layer, q8_drafter.Q8DrafterLayer(layer), "w8a8", q8_drafter.W8A8_TOLERANCE)
+
+
+def test_the_drafter_stays_as_loaded_where_int8_rows_cannot_run(monkeypatch):
+    bf16 = tiny_drafter(two_shape_llama()).to(torch.bfloat16)
+    if int8_rows.refusal() is None:
+        assert q8_drafter.int8_rows_drafter(bf16) == "as loaded (int8 rows: it runs fp32 drafters on CPU)"
+    monkeypatch.setattr(q8_drafter, "refusal", lambda: "this CPU has no AVX512-VNNI")
+    drafter = tiny_drafter(two_shape_llama())
+    assert q8_drafter.int8_rows_drafter(drafter) == "as loaded (int8 rows: this CPU has no AVX512-VNNI)"
+    assert all(layer.compiled is None for layer in drafter.layers)
