@@ -201,7 +201,8 @@ def exact_here(attention, spec: AttentionSpec) -> str | None:
 
 def compiled_attention(target) -> tuple[CompiledAttention | None, str]:
     """The compiled attention for ``target`` (a ``FastTarget`` whose layers run compiled) and a
-    note; ``(None, why not)`` where the switch, the target, a build or the probe refuses."""
+    note: ``dot_attention``'s C++ call where it runs and its probe passes, else this module's
+    kernel; ``(None, why not)`` where the switch, the target, a build or the probe refuses."""
     if os.environ.get(SWITCH, "1") == "0":
         return None, f"turned off ({SWITCH}=0)"
     if target.dtype != torch.float32 or target.device.type != "cpu":
@@ -209,6 +210,13 @@ def compiled_attention(target) -> tuple[CompiledAttention | None, str]:
     if target.num_heads % target.num_kv_heads:
         return None, f"{target.num_heads} query heads do not share {target.num_kv_heads} KV heads evenly"
     spec = AttentionSpec(heads=target.num_heads, kv_heads=target.num_kv_heads, head_dim=target.head_dim)
+    from . import dot_attention  # one C++ call per layer where it runs and its probe passes (faster)
+
+    why = dot_attention.refusal(target)
+    if why is None:
+        attention = dot_attention.DotAttention()
+        if exact_here(attention, spec) is None:
+            return attention, dot_attention.NOTE
     try:
         attention = CompiledAttention(attention_library(spec)[0])
     except Exception as exc:  # a compiler or AOTInductor failure here: attention stays eager

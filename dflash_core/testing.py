@@ -516,3 +516,11 @@ def eager_layers_twin(runner):
     twin.attention, twin.compiled_layers = None, False
     twin.cache = KVCache(runner.num_layers, runner.num_kv_heads, runner.head_dim, runner.dtype, runner.device)
     return twin
+
+
+def attention_note(runner) -> str:
+    """What the load note says of a compiled-layers target's attention: ``dot_attention``'s C++
+    call where it runs here, else the AOTInductor kernel."""
+    from dflash_core import dot_attention
+
+    return dot_attention.NOTE if dot_attention.refusal(runner) is None else "attention compiled"

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_core import aoti_attention, aoti_kernels
+from dflash_core import aoti_attention, aoti_kernels, dot_attention
 from dflash_core.aoti_attention import AttentionSpec, compiled_attention, eager_attention, exact_here, write_and_attend
 from dflash_core.kernels import padded_rows
 from dflash_core.target import FastTarget
@@ -119,6 +119,7 @@ def test_a_failed_attention_build_leaves_attention_eager_beside_the_compiled_lay
         raise RuntimeError("no compiler today")
 
     monkeypatch.setattr(aoti_attention, "attention_library", broken)
+    monkeypatch.setattr(dot_attention, "refusal", lambda target: "not today")  # the compiled kernel's turn
     runner = FastTarget(two_shape_llama(), kernels="aoti")
     if runner.kernels != "aoti":  # a CPU where the kernels' rows depend on their company
         return

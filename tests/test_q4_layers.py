@@ -9,11 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_core import aoti_attention, aoti_kernels, int8_dot, q4_dot, q4_layers
+from dflash_core import aoti_attention, aoti_kernels, dot_attention, int8_dot, q4_dot, q4_layers
 from dflash_core.target import FastTarget
 from dflash_core.weight_formats import quantize_q8
 from dflash_core.testing import (PROMPTS, assert_greedy_lossless, assert_greedy_tree_lossless, assert_same_logits,
-                                 assert_tree_nodes_are_their_paths, eager_layers_twin, tiny_target, two_shape_llama)
+                                 assert_tree_nodes_are_their_paths, attention_note, eager_layers_twin, tiny_target,
+                                 two_shape_llama)
 
 needs_kernels = pytest.mark.skipif(int8_dot.cannot_run() is not None or not aoti_kernels.available(),
                                    reason=f"q4_dot or AOTInductor cannot run here: {int8_dot.cannot_run()}")
@@ -68,10 +69,11 @@ def test_fused_layers_are_the_eager_int4_layers_and_lossless(kernel_cache):
     runner = FastTarget(model, weights="int4", kernels="aoti")
     assert runner.weight_format == "int4" and runner.weight_note.startswith("int4, groups of 32")
     head = "int8 through bf16 dot products" if int8_dot.unavailable() is None else "int8 through the int8 GEMM"
-    assert runner.kernel_note == f"{NOTE}; attention compiled; the LM head {head}"
+    assert runner.kernel_note == f"{NOTE}; {attention_note(runner)}; the LM head {head}"
     assert all(isinstance(layer.before, q4_layers.Q4Before) and isinstance(layer.after, q4_layers.Q4After)
                for layer in runner.layers)
-    assert isinstance(runner.attention, aoti_attention.CompiledAttention) and runner.batch_invariant
+    assert isinstance(runner.attention, (aoti_attention.CompiledAttention, dot_attention.DotAttention))
+    assert runner.batch_invariant
     # The eager layers of the same products: the same logits to rounding.
     assert_same_logits(runner, eager_layers_twin(runner), PROMPTS[0], 1e-3)
     assert_greedy_lossless(runner, model, max_new_tokens=90)

@@ -393,3 +393,101 @@ extern "C" void int8_rows_glu(int format, const float* gu, int64_t M, int64_t K,
   }
   int8_rows_product(format, rows, M, K, q, add, y, N, threads);
 }
+
+// ---------------------------------------------------------------------------------------------
+// A target layer's attention for its rows (dot_attention.py): the rows' keys and values k, v
+// (T, KV, D) written into the layer's cache keys, values (KV, C, D) at their positions rows[t],
+// then for each query head h of row t (q (T, H, D), already scaled) softmax(q . keys[g, 0..p]) .
+// values[g, 0..p] over the row's own positions 0..p = rows[t], g = h / (H / KV), into out
+// (T, H * D). Each (row, head) is summed alone, in one order set by its position only, so a row's
+// numbers never depend on the rows beside it in a call (D a multiple of 16, at most 256).
+
+namespace {
+
+// The sums of 16 vectors' lanes, lane j the sum of a[j]'s: pairs of lanes added within 128-bit
+// chunks, then the chunks (one fixed tree, whatever the caller).
+inline __m512 sum_lanes16(const __m512* a) {
+  __m512 pairs[8], quads[4];
+  for (int i = 0; i < 8; ++i)
+    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d x = _mm512_castps_pd(pairs[2 * i]), y = _mm512_castps_pd(pairs[2 * i + 1]);
+    quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  const __m512 low = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], 0x88), _mm512_shuffle_f32x4(quads[0], quads[1], 0xDD));
+  const __m512 high = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], 0x88), _mm512_shuffle_f32x4(quads[2], quads[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(low, high, 0x88), _mm512_shuffle_f32x4(low, high, 0xDD));
+}
+
+// One query head over n positions of its KV head's keys and values; scores: n + 16 floats of scratch.
+template <int LANES>
+void attend_head(const float* query, const float* key, const float* value, int64_t n, float* scores, float* row) {
+  constexpr int64_t D = 16 * LANES;
+  __m512 q[LANES];
+  for (int c = 0; c < LANES; ++c) q[c] = _mm512_loadu_ps(query + 16 * c);
+  __m512 largest = _mm512_set1_ps(-INFINITY);
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {  // 16 keys' dot products, summed across lanes together
+    const int64_t live = n - j0 < 16 ? n - j0 : 16;
+    __m512 dots[16];
+    for (int64_t j = 0; j < 16; ++j) {
+      if (j >= live) {
+        dots[j] = _mm512_setzero_ps();
+        continue;
+      }
+      const float* at = key + (j0 + j) * D;
+      __m512 dot = _mm512_mul_ps(q[0], _mm512_loadu_ps(at));
+      for (int c = 1; c < LANES; ++c) dot = _mm512_fmadd_ps(q[c], _mm512_loadu_ps(at + 16 * c), dot);
+      dots[j] = dot;
+    }
+    const __mmask16 mask = live == 16 ? 0xFFFF : static_cast<__mmask16>((1u << live) - 1);
+    const __m512 sums = sum_lanes16(dots);
+    _mm512_storeu_ps(scores + j0, sums);
+    largest = _mm512_mask_max_ps(largest, mask, largest, sums);
+  }
+  const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(largest));
+  __m512 total = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 live = n - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - j)) - 1);
+    const __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, scores + j), top));
+    _mm512_mask_storeu_ps(scores + j, live, e);
+    total = _mm512_mask_add_ps(total, live, total, e);
+  }
+  __m512 sum[LANES];
+  for (int c = 0; c < LANES; ++c) sum[c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    const __m512 weight = _mm512_set1_ps(scores[j]);
+    for (int c = 0; c < LANES; ++c) sum[c] = _mm512_fmadd_ps(weight, _mm512_loadu_ps(value + j * D + 16 * c), sum[c]);
+  }
+  const __m512 inverse = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));
+  for (int c = 0; c < LANES; ++c) _mm512_storeu_ps(row + 16 * c, _mm512_mul_ps(sum[c], inverse));
+}
+
+using HeadFn = void (*)(const float*, const float*, const float*, int64_t, float*, float*);
+constexpr HeadFn BY_LANES[17] = {nullptr,         attend_head<1>,  attend_head<2>,  attend_head<3>,  attend_head<4>,
+                                 attend_head<5>,  attend_head<6>,  attend_head<7>,  attend_head<8>,  attend_head<9>,
+                                 attend_head<10>, attend_head<11>, attend_head<12>, attend_head<13>, attend_head<14>,
+                                 attend_head<15>, attend_head<16>};
+
+}  // namespace
+
+extern "C" void write_and_attend(const float* q, const float* k, const float* v, float* keys, float* values,
+                                 const int64_t* rows, int64_t T, int64_t H, int64_t KV, int64_t D, int64_t C,
+                                 float* out, int threads) {
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t g = 0; g < KV; ++g) {
+      std::memcpy(keys + (g * C + rows[t]) * D, k + (t * KV + g) * D, sizeof(float) * D);
+      std::memcpy(values + (g * C + rows[t]) * D, v + (t * KV + g) * D, sizeof(float) * D);
+    }
+  const int64_t group = H / KV;
+  const HeadFn head = BY_LANES[D / 16];
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<float> scores;
+#pragma omp for schedule(static)
+    for (int64_t task = 0; task < T * H; ++task) {
+      const int64_t t = task / H, h = task % H, g = h / group, n = rows[t] + 1;
+      scores.resize(n + 16);
+      head(q + (t * H + h) * D, keys + g * C * D, values + g * C * D, n, scores.data(), out + (t * H + h) * D);
+    }
+  }
+}

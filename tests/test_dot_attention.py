@@ -1,0 +1,74 @@
+"""The target's attention in one C++ call per layer (``dot_attention``): the writes exact, the
+eager attention's numbers to rounding, every row's numbers independent of the rows beside it (a lone
+row included), preferred to the compiled kernel where it runs, and lossless in a fused target."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash_core import aoti_attention, aoti_kernels, dot_attention
+from dflash_core.target import FastTarget
+from dflash_core.testing import assert_greedy_lossless, assert_greedy_tree_lossless, tiny_target, two_shape_llama
+
+needs_kernel = pytest.mark.skipif(dot_attention.cannot_run() is not None,
+                                  reason=f"the C++ kernels cannot run here: {dot_attention.cannot_run()}")
+
+
+def inputs(rows: list[int], heads: int = 6, kv_heads: int = 2, d: int = 32, capacity: int = 160, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    t = len(rows)
+    q = torch.randn(t, heads, d, generator=generator) * d**-0.5
+    k, v = (torch.randn(t, kv_heads, d, generator=generator) for _ in range(2))
+    keys, values = (torch.randn(kv_heads, capacity, d, generator=generator) for _ in range(2))
+    return q, k, v, keys, values, torch.tensor(rows)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [[0], [5, 6], list(range(40, 56)), [0, 1, 2, 15, 16, 17, 33, 159]])
+def test_writes_then_attends_over_each_rows_own_positions_as_the_eager_math(rows):
+    q, k, v, keys, values = inputs(rows)[:5]
+    positions = torch.tensor(rows)
+    want_keys, want_values = keys.clone(), values.clone()
+    want = aoti_attention.write_and_attend(q, k, v, want_keys, want_values, positions)
+    got = dot_attention.DotAttention()(q, k, v, keys, values, positions)
+    assert torch.equal(keys, want_keys) and torch.equal(values, want_values)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+@needs_kernel
+def test_a_rows_numbers_never_change_with_the_rows_beside_it():
+    attention = dot_attention.DotAttention()
+    rows = list(range(90, 106))
+    q, k, v, keys, values, positions = inputs(rows)
+    together = attention(q, k, v, keys, values, positions)  # the cache now holds every row's keys
+    for lo, hi in ((0, 1), (15, 16), (3, 9), (1, 16)):
+        assert torch.equal(attention(q[lo:hi], k[lo:hi], v[lo:hi], keys, values, positions[lo:hi]), together[lo:hi])
+    assert aoti_attention.exact_here(attention, aoti_attention.AttentionSpec(heads=6, kv_heads=2, head_dim=32)) is None
+    # CompiledAttention's calls, as the fused layers make them
+    assert attention.runs(rows, 160) == [(0, 16, None)]
+    assert torch.equal(attention.runner.run([q, k, v, keys, values, positions, None])[0], together)
+
+
+def test_it_refuses_head_sizes_it_does_not_take_and_cpus_without_the_kernels(monkeypatch):
+    monkeypatch.setattr(dot_attention, "cannot_run", lambda: None)
+    assert dot_attention.refusal(FastTarget(tiny_target("llama"))) is None  # head_dim 16
+    runner = FastTarget(tiny_target("llama"))
+    runner.head_dim = 24
+    assert dot_attention.refusal(runner) == "head_dim 24 is not a multiple of 16 up to 256"
+    monkeypatch.setattr(dot_attention, "cannot_run", lambda: "this CPU has no AVX512-BF16")
+    assert dot_attention.refusal(runner) == "this CPU has no AVX512-BF16"
+
+
+@needs_kernel
+@pytest.mark.skipif(not aoti_kernels.available(), reason="no C++ compiler or AOTInductor here")
+@pytest.mark.slow
+def test_a_fused_target_runs_it_and_stays_lossless(kernel_cache):
+    model = two_shape_llama()
+    runner = FastTarget(model, kernels="aoti")
+    if runner.kernels != "aoti":  # a CPU where the compiled layers' rows depend on their company
+        return
+    assert isinstance(runner.attention, dot_attention.DotAttention)
+    assert f"; {dot_attention.NOTE}; " in runner.kernel_note
+    assert_greedy_lossless(runner, model, max_new_tokens=60)
+    assert_greedy_tree_lossless(runner, model, max_new_tokens=40)
