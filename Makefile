@@ -106,14 +106,16 @@ bench: setup peers
 	  --out runs/bench/humaneval-b16
 
 # The quantized SmolLM2 pairs beside the default (bf16) one, each with AR, plain DFlash, the fastest
-# variant and llama.cpp interleaved: int4 (the GGUF's own Q4_1 weights), int8 and w8a8.
+# variant and llama.cpp interleaved: w4a8 (the GGUF as llama.cpp computes it), int4 (its own Q4_1 weights
+# with bf16 rows), int8 and w8a8.
 PAIR_METHODS := --prompts humaneval --limit 20 --block-size 16 --methods ar,dflash,dflash_tree_lookup_adaptive,llama_cpp
 define PEER_PAIRS
-$(BENCH) --pair smollm2-135m-int4 $(PAIR_METHODS) --out runs/bench/int4-humaneval-b16
+$(BENCH) --pair smollm2-135m-w4a8 $(PAIR_METHODS) --out runs/bench/w4a8-humaneval-b16
+	$(BENCH) --pair smollm2-135m-int4 $(PAIR_METHODS) --out runs/bench/int4-humaneval-b16
 	$(BENCH) --pair smollm2-135m-int8 $(PAIR_METHODS) --out runs/bench/int8-humaneval-b16
 	$(BENCH) --pair smollm2-135m-w8a8 $(PAIR_METHODS) --out runs/bench/w8a8-humaneval-b16
 endef
-PEER_RUNS := runs/bench/int4-humaneval-b16 runs/bench/int8-humaneval-b16 runs/bench/w8a8-humaneval-b16
+PEER_RUNS := runs/bench/w4a8-humaneval-b16 runs/bench/int4-humaneval-b16 runs/bench/int8-humaneval-b16 runs/bench/w8a8-humaneval-b16
 
 # Every run behind docs/BENCHMARKS.md (about 85 minutes on 2 cores), then the page itself.
 BENCH := $(PY) -m dflash_core bench --max-new-tokens 256

@@ -240,7 +240,7 @@ def load_target(
         from .weight_formats import calibration_ids
 
         calibration = calibration_ids(tokenizer)
-    runner = make_runner(model, engine, weights, _q4_blocks(source, model, weights, progress), kernels, calibration)
+    runner = make_runner(model, engine, weights, gguf_q4_blocks(source, model, weights, progress), kernels, calibration)
     if weights != "bf16":
         _say(progress, f"Target weights: {getattr(runner, 'weight_note', 'bf16 (this engine has no weight-only kernels)')}")
     if kernels != "onednn":
@@ -251,7 +251,7 @@ def load_target(
     return LoadedTarget(model=model, tokenizer=tokenizer, runner=runner, source=source, name=source.describe())
 
 
-def _q4_blocks(source: ModelSource, model: Any, weights: str, progress: Progress | None) -> dict | None:
+def gguf_q4_blocks(source: ModelSource, model: Any, weights: str, progress: Progress | None = None) -> dict | None:
     """The GGUF's own Q4_1 codes for an int4 target read from a GGUF (None otherwise, or when they
     cannot be read: the loaded weights are then quantized instead)."""
     if weights not in ("int4", "w4a8") or source.kind != "gguf" or getattr(model.config, "model_type", "") not in ("llama", "mistral"):

@@ -1,5 +1,5 @@
 """The weight-only int8 and Q4_1 kernels side by side on SmolLM2's shapes: what docs/BENCHMARKS-AMD.md
-cites for ``dflash_core/int8_dot.py`` and ``dflash_core/q4_dot.py``.
+cites for ``dflash_core/int8_dot.py``, ``dflash_core/q4_dot.py`` and ``dflash_core/int8_rows.py``.
 
     python scripts/int8_dot_speed.py [--rows 1,2,16,32] [--rounds 3] [--out runs/int8_dot_speed.json]
 
@@ -8,7 +8,8 @@ pass), times per call group, interleaved round by round: inductor's weight-only 
 (``aoti_kernels.AotiInt8Weight``, the compiled pairs' kernel elsewhere), ``int8_dot`` (bf16 dot
 products), and, for scale, oneDNN's packed bf16 product of the same codes (twice the bytes); then
 the Q4_1 kernels on random Q4_1 blocks whose weights the int8 codes requantize: PyTorch's int4
-kernel (``weight_formats.Int4Weight``) and ``q4_dot``. Also the largest relative error of each
+kernel (``weight_formats.Int4Weight``) and ``q4_dot``; where AVX512-VNNI runs them, ``int8_rows``' products
+with int8 rows of the same Q4_1 blocks and of their Q8_0 requantization (``quantize_q8``). Also the largest relative error of each
 against the exact product of the same rows (rounded to bf16) and its own codes, in float64. Prints milliseconds (median over rounds) and writes them as JSON.
 """
 
@@ -22,9 +23,9 @@ from pathlib import Path
 
 import torch
 
-from dflash_core import aoti_kernels, int8_dot, q4_dot
+from dflash_core import aoti_kernels, int8_dot, int8_rows, q4_dot
 from dflash_core.kernels import Linear
-from dflash_core.weight_formats import Int4Weight, Int8Weight, Q4Blocks, QuantizedLinear
+from dflash_core.weight_formats import Int4Weight, Int8Weight, Q4Blocks, QuantizedLinear, quantize_q8
 
 SHAPES = {"LM head": (49152, 576, 1), "down x30": (576, 1536, 30)}
 
@@ -67,20 +68,26 @@ def main() -> int:
             "PyTorch int4 (Q4_1)": [QuantizedLinear(Int4Weight(b, torch.float32)) for b in blocks],
             "q4_dot (Q4_1, bf16 dot products)": [QuantizedLinear(q4_dot.Q4DotWeight(b)) for b in blocks],
         }
+        if int8_rows.refusal() is None:  # the rows int8 too, as llama.cpp multiplies (w4a8)
+            kernels["int8_rows (Q4_1, int8 rows)"] = [QuantizedLinear(int8_rows.Q4Q8DotWeight(b)) for b in blocks]
+            q8 = [quantize_q8(b.dequantize()) for b in blocks]
+            kernels["int8_rows (Q8_0, int8 rows)"] = [QuantizedLinear(int8_rows.Q8Q8DotWeight(b)) for b in q8]
         scales = eager[0].scales.double()
         q4_weight = blocks[0].dequantize().double()
+        q8_weight = q8[0].dequantize().double() if int8_rows.refusal() is None else None
         shape: dict = {}
         for rows in (int(r) for r in opts.rows.split(",")):
             x = torch.randn(rows, in_features, generator=generator)
             exact = (x.bfloat16().double() @ eager[0].q.double().T) * scales
             exact_q4 = x.bfloat16().double() @ q4_weight.T
+            exact_q8 = None if q8_weight is None else x.bfloat16().double() @ q8_weight.T
             timings: dict[str, list[float]] = {kind: [] for kind in kernels}
             errors = {}
             with torch.inference_mode():
                 for kind, group in kernels.items():
                     rows_in = x.bfloat16() if kind.startswith("oneDNN") else x
                     got = group[0](rows_in).double() * (scales if kind.startswith("oneDNN") else 1)
-                    want = exact_q4 if "Q4_1" in kind else exact
+                    want = exact_q4 if "Q4_1" in kind else exact_q8 if "Q8_0" in kind else exact
                     errors[kind] = ((got - want).abs().max() / want.abs().max()).item()
                 for _ in range(opts.rounds):
                     for kind, group in kernels.items():

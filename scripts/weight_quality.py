@@ -1,5 +1,5 @@
 """How far each weight format takes the target from its fp32 self: the figures docs/BENCHMARKS.md
-cites for ``weights = "int8"`` and ``"w8a8"``.
+cites for ``weights = "int8"``, ``"w8a8"``, ``"int4"`` and ``"w4a8"``.
 
     python scripts/weight_quality.py [--pair smollm2-135m] [--formats bf16,int8,w8a8] [--sequences 24]
                                      [--alphas 0.3,0.5,0.7,0.9] [--llama-like] [--down-rows] [--heads int8,w8a8]
@@ -7,7 +7,8 @@ cites for ``weights = "int8"`` and ``"w8a8"``.
 Teacher-forced over prompt + answer sequences from the newest committed answer shard (the
 target's own answers to training prompts: never HumanEval, nor the held-out set), each format
 runs the engine's own eager kernels (``FastTarget`` with ``weights = FORMAT``, the pair's target
-loaded in fp32) and is compared, position by position, with the fp32 target: how often the
+loaded in fp32; int4 and w4a8 on the GGUF's own Q4_1 blocks and Q8_0 head, as their pairs run them)
+and is compared, position by position, with the fp32 target: how often the
 greedy choice agrees, and the mean KL divergence of the next-token distributions
 (KL(fp32 || format)). ``--alphas 0.5,0.7`` measures w8a8 again at each SmoothQuant alpha
 (``weight_formats.SMOOTHING_ALPHA``, its default being the engine's). ``--down-rows`` measures w8a8
@@ -28,7 +29,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from dflash_core.loading import load_target
+from dflash_core.loading import gguf_q4_blocks, load_target
 from dflash_core.registry import load_registry
 from dflash_core.target import FastTarget
 from dflash_core import target as target_module
@@ -130,7 +131,11 @@ def main() -> None:
     for fmt in [f for f in args.formats.split(",") if f]:
         # "bf16": the default pair's target (the weights in bf16), from a copy: the fp32 ones stay
         model = loaded.model if fmt != "bf16" else copy.deepcopy(loaded.model).to(torch.bfloat16)
-        runner = FastTarget(model, fmt, calibration_ids=calibration)
+        # int4 and w4a8 on the GGUF's own blocks, their LM head too, as the pairs run them
+        blocks = gguf_q4_blocks(loaded.source, model, fmt)
+        runner = FastTarget(model, fmt, q4_blocks=blocks, calibration_ids=calibration)
+        if blocks and "lm_head" in blocks and fmt in ("int4", "w4a8"):
+            runner._file_head()
         results[fmt] = {**compare(reference, logits_of(runner, seqs)), "runs": runner.weight_note}
         print(fmt, results[fmt], flush=True)
     engine_alpha = weight_formats.SMOOTHING_ALPHA
