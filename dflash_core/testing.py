@@ -524,3 +524,15 @@ def attention_note(runner) -> str:
     from dflash_core import dot_attention
 
     return dot_attention.NOTE if dot_attention.refusal(runner) is None else "attention compiled"
+
+
+def llama_with_q8_0_head():
+    """``two_shape_llama`` whose LM head holds Q8_0 values, as loading a GGUF dequantizes its
+    output matrix, and those blocks (``weight_formats.Q8Blocks``), for the file-head kernels."""
+    from dflash_core.weight_formats import quantize_q8
+
+    model = two_shape_llama()
+    blocks = quantize_q8(model.lm_head.weight.detach())
+    with torch.no_grad():
+        model.lm_head.weight.copy_(blocks.dequantize())
+    return model, blocks

@@ -15,7 +15,8 @@ from dflash_core.drafter import RMSNorm, apply_rope
 from dflash_core.speculative import GenerationConfig, collect, stream
 from dflash_core.target import FastTarget
 from dflash_core.testing import (PROMPTS, assert_greedy_lossless, assert_greedy_tree_lossless, assert_same_logits,
-                                 attention_note, eager_layers_twin, tiny_drafter, tiny_target, two_shape_llama)
+                                 attention_note, eager_layers_twin, llama_with_q8_0_head, tiny_drafter, tiny_target,
+                                 two_shape_llama)
 from dflash_core.weight_formats import Q4Blocks, Q8Blocks, quantize_q4, quantize_q8
 
 needs_kernels = pytest.mark.skipif(int8_rows.refusal() is not None, reason=f"int8_rows cannot run here: {int8_rows.refusal()}")
@@ -125,10 +126,7 @@ def test_rope_split_norms_each_head_and_takes_one_table_for_all_heads_as_the_dra
 @needs_aoti
 @pytest.mark.slow
 def test_w4a8_layers_and_q8_0_head_are_the_eager_ones_and_lossless(kernel_cache):
-    model = two_shape_llama()
-    head_blocks = quantize_q8(model.lm_head.weight.detach())
-    with torch.no_grad():
-        model.lm_head.weight.copy_(head_blocks.dequantize())  # as loading a GGUF dequantizes it
+    model, head_blocks = llama_with_q8_0_head()
     runner = FastTarget(model, weights="w4a8", kernels="aoti", q4_blocks={"lm_head": head_blocks})
     assert runner.weight_format == "w4a8", runner.weight_note
     assert runner.weight_note.startswith("w4a8: Q4_1 groups of 32 (requantized from the loaded weights), the rows int8")

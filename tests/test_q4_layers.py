@@ -13,8 +13,8 @@ from dflash_core import aoti_attention, aoti_kernels, dot_attention, int8_dot, q
 from dflash_core.target import FastTarget
 from dflash_core.weight_formats import quantize_q8
 from dflash_core.testing import (PROMPTS, assert_greedy_lossless, assert_greedy_tree_lossless, assert_same_logits,
-                                 assert_tree_nodes_are_their_paths, attention_note, eager_layers_twin, tiny_target,
-                                 two_shape_llama)
+                                 assert_tree_nodes_are_their_paths, attention_note, eager_layers_twin,
+                                 llama_with_q8_0_head, tiny_target, two_shape_llama)
 
 needs_kernels = pytest.mark.skipif(int8_dot.cannot_run() is not None or not aoti_kernels.available(),
                                    reason=f"q4_dot or AOTInductor cannot run here: {int8_dot.cannot_run()}")
@@ -133,10 +133,7 @@ def test_where_q4_dot_cannot_run_the_int8_layers_run_and_the_note_says_why(monke
 
 @needs_kernels
 def test_the_lm_head_runs_the_files_q8_0_blocks_where_they_are_the_loaded_heads_weights(kernel_cache):
-    model = two_shape_llama()
-    blocks = quantize_q8(model.lm_head.weight.detach())
-    with torch.no_grad():
-        model.lm_head.weight.copy_(blocks.dequantize())  # as loading a GGUF dequantizes it
+    model, blocks = llama_with_q8_0_head()
     runner = FastTarget(model, weights="int4", kernels="aoti", q4_blocks={"lm_head": blocks})
     assert runner.kernel_note.endswith("; the LM head the GGUF's Q8_0 blocks through bf16 dot products")
     assert isinstance(runner._lm_head.kernel, int8_dot.Q8DotWeight)
