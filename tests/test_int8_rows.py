@@ -10,13 +10,13 @@ import copy
 import pytest
 import torch
 
-from dflash_core import aoti_kernels, int8_rows, q4_dot, q8_drafter
+from dflash_core import acceptance, aoti_kernels, int8_rows, q4_dot, q8_drafter
 from dflash_core.drafter import RMSNorm, apply_rope
 from dflash_core.speculative import GenerationConfig, collect, stream
 from dflash_core.target import FastTarget
 from dflash_core.testing import (PROMPTS, assert_greedy_lossless, assert_greedy_tree_lossless, assert_same_logits,
-                                 attention_note, eager_layers_twin, llama_with_q8_0_head, tiny_drafter, tiny_target,
-                                 two_shape_llama)
+                                 attention_note, chi_square_passes, eager_layers_twin, llama_with_q8_0_head,
+                                 tiny_drafter, tiny_target, two_shape_llama)
 from dflash_core.weight_formats import Q4Blocks, Q8Blocks, quantize_q4, quantize_q8
 
 needs_kernels = pytest.mark.skipif(int8_rows.refusal() is not None, reason=f"int8_rows cannot run here: {int8_rows.refusal()}")
@@ -148,6 +148,40 @@ def test_w4a8_applies_qk_norms_eagerly_and_stays_lossless(kernel_cache):
     assert runner.weight_format == "w4a8" and runner.compiled_layers, runner.kernel_note
     assert_same_logits(runner, eager_layers_twin(runner), PROMPTS[0], 1e-3)
     assert_greedy_lossless(runner, model, max_new_tokens=40)
+
+
+@needs_kernels
+def test_sampling_with_a_w4a8_target_follows_that_targets_own_distribution():
+    """The int8 rows round the target: what sampling must follow is the rounded target's own
+    distribution (its passes token by token), which DFlash's acceptance keeps exactly."""
+    vocab, temperature, prompt = 5, 1.3, [1, 3, 0, 2]
+    model = tiny_target("llama", vocab=vocab, layers=2, seed=5)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(0.15)  # soften: every outcome has some mass
+    runner = FastTarget(model, weights="w4a8")
+    assert runner.weight_format == "w4a8" and runner.batch_invariant, runner.weight_note
+
+    def next_probs(ids: list[int]) -> torch.Tensor:
+        runner.reset(64)
+        return acceptance.warp(runner.forward(torch.tensor(ids), None, last_only=True).logits[-1], temperature)
+
+    expected = {}
+    p1 = next_probs(prompt)
+    for a in range(vocab):
+        p2 = next_probs(prompt + [a])
+        for b in range(vocab):
+            p3 = next_probs(prompt + [a, b])
+            expected.update({(a, b, c): float(p1[a] * p2[b] * p3[c]) for c in range(vocab)})
+    drafter = tiny_drafter(model, layers=1, block_size=4, mask_token_id=4, seed=2)
+    n, observed, accepted = 2000, {}, 0
+    for seed in range(n):
+        config = GenerationConfig(max_new_tokens=3, block_size=4, temperature=temperature, seed=seed)
+        out = collect(stream(runner, drafter, prompt, config.validated(4)))
+        observed[tuple(out.token_ids)] = observed.get(tuple(out.token_ids), 0) + 1
+        accepted += sum(c.num_accepted for c in out.cycles)
+    ok, stat, critical = chi_square_passes(observed, expected, n)
+    assert ok, (stat, critical)
+    assert accepted > 0.1 * n  # drafts were really accepted, not only bonus tokens
 
 
 def test_where_int8_rows_cannot_run_the_int4_layers_run_and_the_note_says_why(monkeypatch):
