@@ -109,3 +109,88 @@ def q4_layers(target) -> tuple[list[CompiledLayer] | None, str]:
         out.append(CompiledLayer(**{f.name: getattr(layer, f.name) for f in fields(FusedLayer)}, before=before, after=after))
     return out, (f"{len(out)} of {len(target.layers)} decoder layers on the GGUF's Q4_1 codes with their norms "
                  "and residual adds inside the products")
+
+
+class FusedPass:
+    """Every decoder layer of a w4a8 target in one C++ call (``csrc/q4_dot.cpp``'s ``w4a8_pass``):
+    the calls ``Q4Before``, the attention and ``Q4After`` make, in their order and on buffers of
+    their precision, without the Python between them (about 6 calls of 5-7 microseconds a layer:
+    a sixth of a 2-row step on SmolLM2). For chain passes (``FastTarget.positions_pass``); draft
+    trees keep the layer-by-layer calls, whose numbers these are bit for bit (``fused_pass``
+    checks it before the target uses it)."""
+
+    def __init__(self, target) -> None:
+        import ctypes
+
+        from .q4_dot import library
+
+        self.target = target
+        self.intermediate = target.layers[0].after.down.shape[1]
+        table = []
+        for layer in target.layers:
+            before, after = layer.before, layer.after
+            table += [before.qkv.packed.data_ptr(), after.o.packed.data_ptr(), after.gate_up.packed.data_ptr(),
+                      after.down.packed.data_ptr(), before.ln1.data_ptr(), after.ln2.data_ptr()]
+        self.table = torch.tensor(table, dtype=torch.int64)
+        lib = library()
+        pointer, size = ctypes.c_void_p, ctypes.c_int64
+        lib.w4a8_pass.argtypes = ([pointer, size, pointer] + [size] * 6 + [pointer] * 5 + [size] * 2 +
+                                  [ctypes.c_float, pointer, pointer, ctypes.c_int])
+        lib.w4a8_pass.restype = None
+        self._kernel = lib.w4a8_pass
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: torch.Tensor,
+                 wanted: dict[int, int], feats: list, real: int) -> torch.Tensor:
+        """``FastTarget._compiled_layers``' result for the same arguments (``feats`` filled alike)."""
+        target = self.target
+        t, e = x.shape
+        x = x.float().contiguous()  # updated in place by the kernel
+        slot = torch.full((target.num_layers,), -1, dtype=torch.int64)
+        for layer, n in wanted.items():
+            slot[layer] = n
+        features = torch.empty(len(wanted), t, e) if wanted else None
+        keys, values = target.cache.k, target.cache.v
+        cos, sin, rows = cos.contiguous(), sin.contiguous(), rows.to(torch.int64).contiguous()
+        self._kernel(self.table.data_ptr(), target.num_layers, x.data_ptr(), t, e, target.num_heads,
+                     target.num_kv_heads, target.head_dim, self.intermediate, cos.data_ptr(),
+                     sin.data_ptr(), rows.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.stride(0),
+                     keys.shape[2], target.eps, slot.data_ptr(), None if features is None else features.data_ptr(),
+                     torch.get_num_threads())
+        for n in range(len(wanted)):
+            feats[n] = features[n, :real]
+        return x
+
+
+def fused_pass(target) -> tuple[FusedPass | None, str]:
+    """``FusedPass`` for ``target`` where its layers are ``q4_layers``' on ``int8_rows``' Q4_1
+    kernels (w4a8) with no QKV biases or per-head norms, attention is ``dot_attention``'s, and a
+    pass through it gives, bit for bit, the layer-by-layer pass's logits, keys and values; else
+    None; and a note."""
+    from .dot_attention import DotAttention
+
+    layers = target.layers
+    if not (isinstance(target.attention, DotAttention) and all(
+            isinstance(layer.before, Q4Before) and isinstance(layer.after, Q4After)
+            and layer.before.bias is None and layer.before.qk_norm is None
+            and all(isinstance(k, Q4Q8DotWeight) for k in (layer.before.qkv, layer.after.o, layer.after.gate_up,
+                                                           layer.after.down))
+            for layer in layers)):
+        return None, "layer by layer"
+    fused = FusedPass(target)
+    cache = target.cache
+    capacity = cache.capacity
+    with torch.inference_mode():
+        prompt = torch.arange(3, 40) % target.vocab_size
+        block = torch.arange(40, 56) % target.vocab_size
+        results = []
+        for use in (None, fused):
+            target._fused_pass = use
+            target.reset(256)
+            target.forward(prompt, None, last_only=True)
+            out = target.forward(block, [0, len(layers) - 1])
+            results.append((out.logits.clone(), out.features.clone(), cache.k.clone(), cache.v.clone()))
+        target._fused_pass = None
+        target.reset(max(capacity, 1))
+    if not all(torch.equal(a, b) for a, b in zip(*results)):
+        return None, "layer by layer (the one-call pass's numbers were not the layers')"
+    return fused, "every layer in one C++ call for chain passes"

@@ -300,6 +300,7 @@ class FastTarget:
         # The kernels the full-precision matrices run on (``kernels``; see aoti_kernels.py).
         self.kernels, self.kernel_note = "onednn", "oneDNN"
         self.attention = None  # aoti_attention's kernel, beside compiled layers; None: eager_attention
+        self._fused_pass = None  # q4_layers.FusedPass: a w4a8 target's layers in one call per chain pass
         onednn_layers, onednn_head = self.layers, self._lm_head
         if kernels == "aoti":
             self.kernels, self.kernel_note = self._use_aoti()
@@ -319,6 +320,11 @@ class FastTarget:
             self.min_rows, self.batch_invariant = self._probe_min_rows()
             self.weight_note = (f"asked for {asked}, running bf16: {f'{missing}; ' if missing else ''}with {ran} kernels "
                                 "no padding made a position's logits independent of the size of its pass on this CPU")
+        if self.compiled_layers and self.batch_invariant and self.weight_format == "w4a8":
+            from .q4_layers import fused_pass
+
+            self._fused_pass, fused_note = fused_pass(self)
+            self.kernel_note += f"; {fused_note}"
         if cuda_graphs.wanted(self.device):
             self.graphs = cuda_graphs.CudaGraphs(self)
 
@@ -629,6 +635,8 @@ class FastTarget:
         calls (free where they already are). The attention kernel writes the padding rows too: at
         the last real row's position, the same keys and values (the same token there, rows
         independent of their company)."""
+        if self._fused_pass is not None:
+            return self._fused_pass(x, cos, sin, rows, wanted, feats, real)
         attention, (keys, values) = self.attention, (self.cache.k, self.cache.v)
         runs = attention.runs(rows.tolist(), self.cache.capacity)  # the rows' spans, the same in every layer
         attend, columns = attention.runner.run, runs[0][2]

@@ -9,7 +9,8 @@ the next so every pass sees the same context. Timers sit around each call of the
 halves (norm, QKV, rotary), the attention, their second halves (O, MLP) and the LM head; the
 rest of a pass (embedding, cache bookkeeping, Python between the calls) is the pass's time
 minus theirs; for ``q4_layers``' halves the q4_dot products inside them are timed too ("of
-which"). Only targets whose layers run compiled (``kernels = "aoti"``) are split this way.
+which"); where a w4a8 target runs every layer in one call (``q4_layers.FusedPass``), that call is
+timed whole. Only targets whose layers run compiled (``kernels = "aoti"``) are split this way.
 Then the greedy choice of a pass's tokens (``acceptance.argmax``) beside ATen's argmax, timed apart.
 Prints milliseconds per pass and writes ``<out>/parts.json``.
 """
@@ -74,8 +75,10 @@ def main() -> int:
     if not getattr(runner, "compiled_layers", False):
         parser.error(f"pair {opts.pair}'s layers do not run compiled here ({getattr(runner, 'kernel_note', 'no note')})")
     totals: Counter = Counter()
+    if runner._fused_pass is not None:  # q4_layers.FusedPass: every layer in one call, timed whole
+        runner._fused_pass = timed("layers (one C++ call)", runner._fused_pass, totals)
     # The kernels' runners are timed (the engine may call them directly or through their wrappers).
-    for layer in runner.layers:
+    for layer in runner.layers if runner._fused_pass is None else ():
         if isinstance(layer.before, Q4Before):  # q4_layers: the halves, and inside them each product
             for kernel, name, method in ((layer.before.qkv, "qkv", "floats"), (layer.after.o, "o", "floats"),
                                          (layer.after.gate_up, "gate_up", "floats"), (layer.after.down, "down", "glu")):

@@ -10,13 +10,13 @@ import copy
 import pytest
 import torch
 
-from dflash_core import acceptance, aoti_kernels, int8_rows, q4_dot, q8_drafter
+from dflash_core import acceptance, aoti_kernels, int8_rows, q4_dot, q4_layers, q8_drafter
 from dflash_core.drafter import RMSNorm, apply_rope
 from dflash_core.speculative import GenerationConfig, collect, stream
 from dflash_core.target import FastTarget
 from dflash_core.testing import (PROMPTS, assert_greedy_lossless, assert_greedy_tree_lossless, assert_same_logits,
-                                 attention_note, chi_square_passes, eager_layers_twin, llama_with_q8_0_head,
-                                 tiny_drafter, tiny_target, two_shape_llama)
+                                 assert_tree_nodes_are_their_paths, attention_note, chi_square_passes,
+                                 eager_layers_twin, llama_with_q8_0_head, tiny_drafter, tiny_target, two_shape_llama)
 from dflash_core.weight_formats import Q4Blocks, Q8Blocks, quantize_q4, quantize_q8
 
 needs_kernels = pytest.mark.skipif(int8_rows.refusal() is not None, reason=f"int8_rows cannot run here: {int8_rows.refusal()}")
@@ -132,12 +132,25 @@ def test_w4a8_layers_and_q8_0_head_are_the_eager_ones_and_lossless(kernel_cache)
     assert runner.weight_note.startswith("w4a8: Q4_1 groups of 32 (requantized from the loaded weights), the rows int8")
     assert runner.kernel_note == ("3 of 3 decoder layers on the GGUF's Q4_1 codes with their norms and residual adds "
                                   f"inside the products; {attention_note(runner)}; the LM head the GGUF's Q8_0 blocks "
-                                  "with int8 rows (VNNI)")
+                                  "with int8 rows (VNNI); every layer in one C++ call for chain passes")
+    assert isinstance(runner._fused_pass, q4_layers.FusedPass)
     assert all(isinstance(layer.after.down, int8_rows.Q4Q8DotWeight) for layer in runner.layers)
     assert isinstance(runner._lm_head.kernel, int8_rows.Q8Q8DotWeight) and runner.batch_invariant
     assert_same_logits(runner, eager_layers_twin(runner), PROMPTS[0], 1e-3)
     assert_greedy_lossless(runner, model, max_new_tokens=90)
-    assert_greedy_tree_lossless(runner, model, max_new_tokens=60)
+    assert_greedy_tree_lossless(runner, model, max_new_tokens=60)  # trees run the layers one by one
+    assert_tree_nodes_are_their_paths(runner, PROMPTS[0][:-1], seeds=range(3))
+    # A one-call pass whose numbers are not the layers' is refused, and the layers run one by one.
+    real_call = q4_layers.FusedPass.__call__
+
+    def off_by_rounding(self, *args):
+        return real_call(self, *args) * (1 + 1e-6)
+
+    q4_layers.FusedPass.__call__ = off_by_rounding
+    try:
+        assert q4_layers.fused_pass(runner) == (None, "layer by layer (the one-call pass's numbers were not the layers')")
+    finally:
+        q4_layers.FusedPass.__call__ = real_call
 
 
 @needs_aoti

@@ -491,3 +491,36 @@ extern "C" void write_and_attend(const float* q, const float* k, const float* v,
     }
   }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Every decoder layer of a w4a8 target in one call (w4a8_pass.py): for each layer, the calls
+// q4_layers makes from Python, in its order and with its buffers' precision, so the numbers are
+// bit for bit those of the layer-by-layer path (the tree passes keep that path):
+//   qkv = int8_rows_floats(x, ln1) ; q, k, v = rope_split(qkv) ; att = write_and_attend(q, k, v)
+//   h = int8_rows_floats(att) + x ; gu = int8_rows_floats(h, ln2) ; x = int8_rows_glu(gu) + h
+// ``layers`` holds, per layer, 6 addresses: the packed QKV, O, gate/up and down matrices and the
+// two norms' weights. Keys and values of layer l sit at keys + l * layer_stride (floats). x (T, E)
+// is updated in place; where ``features`` is given, x after layer l is copied to features +
+// slot[l] * T * E for the layers with slot[l] >= 0.
+extern "C" void w4a8_pass(const int64_t* layers, int64_t L, float* x, int64_t T, int64_t E, int64_t H, int64_t KV,
+                          int64_t D, int64_t I, const float* cos, const float* sin, const int64_t* rows, float* keys,
+                          float* values, int64_t layer_stride, int64_t C, float eps, const int64_t* slot,
+                          float* features, int threads) {
+  const int64_t width = (H + 2 * KV) * D;
+  std::vector<float> normed(T * (E > I ? E : I)), qkv(T * width), q(T * H * D), k(T * KV * D), v(T * KV * D),
+      att(T * H * D), h(T * E), gate_up(T * 2 * I), rows_scratch(T * I);
+  for (int64_t l = 0; l < L; ++l) {
+    const int64_t* w = layers + 6 * l;
+    const auto matrix = [&](int i) { return reinterpret_cast<const uint8_t*>(w[i]); };
+    const float* ln1 = reinterpret_cast<const float*>(w[4]);
+    const float* ln2 = reinterpret_cast<const float*>(w[5]);
+    int8_rows_floats(Q4, x, T, E, ln1, eps, normed.data(), matrix(0), nullptr, qkv.data(), width, threads);
+    rope_split(qkv.data(), T, H, KV, D, cos, sin, H + KV, nullptr, nullptr, 0.0f, q.data(), k.data(), v.data());
+    write_and_attend(q.data(), k.data(), v.data(), keys + l * layer_stride, values + l * layer_stride, rows, T, H, KV,
+                     D, C, att.data(), threads);
+    int8_rows_floats(Q4, att.data(), T, H * D, nullptr, 0.0f, nullptr, matrix(1), x, h.data(), E, threads);
+    int8_rows_floats(Q4, h.data(), T, E, ln2, eps, normed.data(), matrix(2), nullptr, gate_up.data(), 2 * I, threads);
+    int8_rows_glu(Q4, gate_up.data(), T, I, rows_scratch.data(), matrix(3), h.data(), x, E, threads);
+    if (features && slot[l] >= 0) std::memcpy(features + slot[l] * T * E, x, sizeof(float) * T * E);
+  }
+}
