@@ -135,13 +135,26 @@ class FusedPass:
         lib = library()
         pointer, size = ctypes.c_void_p, ctypes.c_int64
         lib.w4a8_pass.argtypes = ([pointer, size, pointer] + [size] * 6 + [pointer] * 5 + [size] * 2 +
-                                  [ctypes.c_float, pointer, pointer, ctypes.c_int])
+                                  [ctypes.c_float, pointer, pointer, pointer, size, size, pointer, pointer, ctypes.c_int])
         lib.w4a8_pass.restype = None
         self._kernel = lib.w4a8_pass
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: torch.Tensor,
                  wanted: dict[int, int], feats: list, real: int) -> torch.Tensor:
         """``FastTarget._compiled_layers``' result for the same arguments (``feats`` filled alike)."""
+        return self._run(x, cos, sin, rows, wanted, feats, real, None)[0]
+
+    def tree(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+             turns: list[tuple[int, int]], wanted: dict[int, int], feats: list, real: int
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``tree_attention``'s layer loop with ``dot_attention``: each run of rows ``turns``
+        ([a, b), a path's new nodes) attended in its own call, the padding rows after ``real``
+        given the last real row's attention; returns x and every layer's keys and values of the
+        real rows, (layers, kv_heads, real, D) each."""
+        x, keys, values = self._run(x, cos, sin, positions, wanted, feats, real, turns)
+        return x, keys[:, :real].transpose(1, 2).contiguous(), values[:, :real].transpose(1, 2).contiguous()
+
+    def _run(self, x, cos, sin, rows, wanted, feats, real, turns):
         target = self.target
         t, e = x.shape
         x = x.float().contiguous()  # updated in place by the kernel
@@ -151,14 +164,20 @@ class FusedPass:
         features = torch.empty(len(wanted), t, e) if wanted else None
         keys, values = target.cache.k, target.cache.v
         cos, sin, rows = cos.contiguous(), sin.contiguous(), rows.to(torch.int64).contiguous()
+        tree_keys = tree_values = spans = None
+        if turns is not None:
+            spans = torch.tensor(turns, dtype=torch.int64).reshape(-1)
+            shape = (target.num_layers, t, target.num_kv_heads, target.head_dim)
+            tree_keys, tree_values = torch.empty(shape), torch.empty(shape)
+        pointer = lambda tensor: None if tensor is None else tensor.data_ptr()  # noqa: E731
         self._kernel(self.table.data_ptr(), target.num_layers, x.data_ptr(), t, e, target.num_heads,
-                     target.num_kv_heads, target.head_dim, self.intermediate, cos.data_ptr(),
-                     sin.data_ptr(), rows.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.stride(0),
-                     keys.shape[2], target.eps, slot.data_ptr(), None if features is None else features.data_ptr(),
-                     torch.get_num_threads())
+                     target.num_kv_heads, target.head_dim, self.intermediate, cos.data_ptr(), sin.data_ptr(),
+                     rows.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.stride(0), keys.shape[2], target.eps,
+                     slot.data_ptr(), pointer(features), pointer(spans), 0 if turns is None else len(turns), real,
+                     pointer(tree_keys), pointer(tree_values), torch.get_num_threads())
         for n in range(len(wanted)):
             feats[n] = features[n, :real]
-        return x
+        return x, tree_keys, tree_values
 
 
 def fused_pass(target) -> tuple[FusedPass | None, str]:

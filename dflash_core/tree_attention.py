@@ -69,22 +69,27 @@ class TreeAttention:
         ids, depths = padded_rows(target.min_rows, ids, depths)  # as in forward: every row on the multi-row path
         positions = start + depths
         cos, sin = target.cos[positions], target.sin[positions]
-        # One layer's attention for every row, (layer, q, k, v) -> (T, heads * D), laid out for
-        # this tree once for all layers.
-        attend = (self._compiled_attention if target.attention is not None else self._eager_attention)(tree, groups, positions)
         wanted = {i: n for n, i in enumerate(layer_ids or ())}
         feats: list[torch.Tensor | None] = [None] * len(wanted)
-        tree_keys, tree_values = [], []
-
         x = F.embedding(ids, target.embed_weight)
-        for li, layer in enumerate(target.layers):
-            q, k, v = target.attention_inputs(layer, x, cos, sin)
-            tree_keys.append(k[:real].transpose(0, 1))  # (kv, real, d), node order
-            tree_values.append(v[:real].transpose(0, 1))
-            x = target.finish_layer(layer, x, attend(li, q, k, v))
-            if li in wanted:
-                feats[wanted[li]] = x[:real]
-        self._pending = (start, torch.stack(tree_keys), torch.stack(tree_values))
+        if target._fused_pass is not None:  # every layer in one call, each path's nodes attended as below
+            turns = [(nodes[0], nodes[-1] + 1) for _, nodes in groups]
+            x, stacked_keys, stacked_values = target._fused_pass.tree(x, cos, sin, positions, turns, wanted, feats, real)
+            self._pending = (start, stacked_keys, stacked_values)
+        else:
+            # One layer's attention for every row, (layer, q, k, v) -> (T, heads * D), laid out for
+            # this tree once for all layers.
+            attend = (self._compiled_attention if target.attention is not None else self._eager_attention)(
+                tree, groups, positions)
+            tree_keys, tree_values = [], []
+            for li, layer in enumerate(target.layers):
+                q, k, v = target.attention_inputs(layer, x, cos, sin)
+                tree_keys.append(k[:real].transpose(0, 1))  # (kv, real, d), node order
+                tree_values.append(v[:real].transpose(0, 1))
+                x = target.finish_layer(layer, x, attend(li, q, k, v))
+                if li in wanted:
+                    feats[wanted[li]] = x[:real]
+            self._pending = (start, torch.stack(tree_keys), torch.stack(tree_values))
         cache.length = start + real
         features = torch.cat(feats, dim=-1) if feats else None
         return target.logits(x[:real]), features

@@ -138,8 +138,11 @@ def test_w4a8_layers_and_q8_0_head_are_the_eager_ones_and_lossless(kernel_cache)
     assert isinstance(runner._lm_head.kernel, int8_rows.Q8Q8DotWeight) and runner.batch_invariant
     assert_same_logits(runner, eager_layers_twin(runner), PROMPTS[0], 1e-3)
     assert_greedy_lossless(runner, model, max_new_tokens=90)
-    assert_greedy_tree_lossless(runner, model, max_new_tokens=60)  # trees run the layers one by one
+    fused_tree, trees = runner._fused_pass.tree, []
+    runner._fused_pass.tree = lambda *args: trees.append(1) or fused_tree(*args)
+    assert_greedy_tree_lossless(runner, model, max_new_tokens=60)  # trees in one call too, path by path
     assert_tree_nodes_are_their_paths(runner, PROMPTS[0][:-1], seeds=range(3))
+    assert len(trees) > 10
     # A one-call pass whose numbers are not the layers' is refused, and the layers run one by one.
     real_call = q4_layers.FusedPass.__call__
 

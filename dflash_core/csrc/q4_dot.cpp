@@ -493,19 +493,24 @@ extern "C" void write_and_attend(const float* q, const float* k, const float* v,
 }
 
 // ---------------------------------------------------------------------------------------------
-// Every decoder layer of a w4a8 target in one call (w4a8_pass.py): for each layer, the calls
-// q4_layers makes from Python, in its order and with its buffers' precision, so the numbers are
-// bit for bit those of the layer-by-layer path (the tree passes keep that path):
+// Every decoder layer of a w4a8 target in one call (q4_layers.FusedPass): for each layer, the
+// calls q4_layers makes from Python, in its order and with its buffers' precision, so the numbers
+// are bit for bit those of the layer-by-layer path:
 //   qkv = int8_rows_floats(x, ln1) ; q, k, v = rope_split(qkv) ; att = write_and_attend(q, k, v)
 //   h = int8_rows_floats(att) + x ; gu = int8_rows_floats(h, ln2) ; x = int8_rows_glu(gu) + h
 // ``layers`` holds, per layer, 6 addresses: the packed QKV, O, gate/up and down matrices and the
 // two norms' weights. Keys and values of layer l sit at keys + l * layer_stride (floats). x (T, E)
 // is updated in place; where ``features`` is given, x after layer l is copied to features +
 // slot[l] * T * E for the layers with slot[l] >= 0.
+// A chain pass (turns null) attends all T rows in one call. A draft tree's pass (tree_attention)
+// attends each of ``n_turns`` runs of rows [turns[2 i], turns[2 i + 1]) in its own call, in order
+// (a path's new nodes), copies the last real row's attention to the padding rows after ``real``,
+// and, where tree_k / tree_v are given, keeps every layer's k and v (L, T, KV, D).
 extern "C" void w4a8_pass(const int64_t* layers, int64_t L, float* x, int64_t T, int64_t E, int64_t H, int64_t KV,
                           int64_t D, int64_t I, const float* cos, const float* sin, const int64_t* rows, float* keys,
                           float* values, int64_t layer_stride, int64_t C, float eps, const int64_t* slot,
-                          float* features, int threads) {
+                          float* features, const int64_t* turns, int64_t n_turns, int64_t real, float* tree_k,
+                          float* tree_v, int threads) {
   const int64_t width = (H + 2 * KV) * D;
   std::vector<float> normed(T * (E > I ? E : I)), qkv(T * width), q(T * H * D), k(T * KV * D), v(T * KV * D),
       att(T * H * D), h(T * E), gate_up(T * 2 * I), rows_scratch(T * I);
@@ -514,10 +519,25 @@ extern "C" void w4a8_pass(const int64_t* layers, int64_t L, float* x, int64_t T,
     const auto matrix = [&](int i) { return reinterpret_cast<const uint8_t*>(w[i]); };
     const float* ln1 = reinterpret_cast<const float*>(w[4]);
     const float* ln2 = reinterpret_cast<const float*>(w[5]);
+    float* layer_keys = keys + l * layer_stride;
+    float* layer_values = values + l * layer_stride;
     int8_rows_floats(Q4, x, T, E, ln1, eps, normed.data(), matrix(0), nullptr, qkv.data(), width, threads);
     rope_split(qkv.data(), T, H, KV, D, cos, sin, H + KV, nullptr, nullptr, 0.0f, q.data(), k.data(), v.data());
-    write_and_attend(q.data(), k.data(), v.data(), keys + l * layer_stride, values + l * layer_stride, rows, T, H, KV,
-                     D, C, att.data(), threads);
+    if (!turns) {
+      write_and_attend(q.data(), k.data(), v.data(), layer_keys, layer_values, rows, T, H, KV, D, C, att.data(), threads);
+    } else {
+      for (int64_t i = 0; i < n_turns; ++i) {
+        const int64_t a = turns[2 * i], b = turns[2 * i + 1];
+        write_and_attend(q.data() + a * H * D, k.data() + a * KV * D, v.data() + a * KV * D, layer_keys, layer_values,
+                         rows + a, b - a, H, KV, D, C, att.data() + a * H * D, threads);
+      }
+      for (int64_t t = real; t < T; ++t)
+        std::memcpy(att.data() + t * H * D, att.data() + (real - 1) * H * D, sizeof(float) * H * D);
+      if (tree_k) {
+        std::memcpy(tree_k + l * T * KV * D, k.data(), sizeof(float) * T * KV * D);
+        std::memcpy(tree_v + l * T * KV * D, v.data(), sizeof(float) * T * KV * D);
+      }
+    }
     int8_rows_floats(Q4, att.data(), T, H * D, nullptr, 0.0f, nullptr, matrix(1), x, h.data(), E, threads);
     int8_rows_floats(Q4, h.data(), T, E, ln2, eps, normed.data(), matrix(2), nullptr, gate_up.data(), 2 * I, threads);
     int8_rows_glu(Q4, gate_up.data(), T, I, rows_scratch.data(), matrix(3), h.data(), x, E, threads);
