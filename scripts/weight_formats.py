@@ -1,5 +1,6 @@
 """The target's linear layers in each weight format on this CPU: bf16 and fp32 (plain and
-oneDNN-packed), weight-only int8 / int4.
+oneDNN-packed), weight-only int8 / int4, and the GGUF's own Q4_1 codes through this project's
+kernels (``q4_dot``, bf16 rows; ``int8_rows``, int8 rows: the w4a8 pair's) where they run.
 
 For SmolLM2-135M's 30 layers (fused QKV, O, fused gate/up, down: the matrices FastTarget runs),
 times one pass over all 120 matrices for 2, 16 and 32 rows in each format, interleaved
@@ -37,6 +38,9 @@ from dflash_core.loading import resolve_gguf  # noqa: E402
 from dflash_core.registry import load_registry  # noqa: E402
 from dflash_core.kernels import PROBE_ROWS, rows_match  # noqa: E402
 from dflash_core.weight_formats import Int4Weight, Int8Weight, Q4Blocks, q4_1_blocks  # noqa: E402
+from dflash_core.int8_dot import cannot_run  # noqa: E402
+from dflash_core.int8_rows import Q4Q8DotWeight, refusal as int8_rows_refusal  # noqa: E402
+from dflash_core.q4_dot import Q4DotWeight  # noqa: E402
 
 
 def fused_blocks(blocks: dict[str, Q4Blocks], layers: int) -> list[list[Q4Blocks]]:
@@ -166,6 +170,10 @@ def main() -> None:
         "int4 Q4_1 blocks": [[Int4Weight(b) for b in layer] for layer in mats],
         "fp32 rows, int4 Q4_1 blocks (bf16 inside)": [[Int4Weight(b, torch.float32) for b in layer] for layer in mats],
     }
+    if cannot_run() is None:  # the GGUF's own codes through this project's kernels
+        formats["q4_dot (Q4_1, bf16 rows)"] = [[Q4DotWeight(b) for b in layer] for layer in mats]
+    if int8_rows_refusal() is None:
+        formats["int8_rows (Q4_1, int8 rows: w4a8)"] = [[Q4Q8DotWeight(b) for b in layer] for layer in mats]
     whole_pass = {}  # formats timed as one call over all matrices (a compiled module)
     if args.inductor:
         name = "fp32 inductor C++ GEMM (dynamic rows)"
@@ -189,6 +197,9 @@ def main() -> None:
         "int4 Q4_1 blocks": sum(k.packed.numel() + k.scales_zeros.numel() * 2 for layer in formats["int4 Q4_1 blocks"] for k in layer),
     }
     nbytes["fp32 rows, int4 Q4_1 blocks (bf16 inside)"] = nbytes["int4 Q4_1 blocks"]
+    for n in ("q4_dot (Q4_1, bf16 rows)", "int8_rows (Q4_1, int8 rows: w4a8)"):  # 20 bytes per 32 weights
+        if n in formats:
+            nbytes[n] = sum(k.packed.numel() for layer in formats[n] for k in layer)
     for n in whole_pass:
         nbytes[n] = 2 * bf16_bytes
     print(f"oneDNN bf16 path on this CPU (kernels.onednn_bf16): {onednn_bf16()}; bf16 instructions "
