@@ -115,9 +115,11 @@ class FusedPass:
     """Every decoder layer of a w4a8 target in one C++ call (``csrc/q4_dot.cpp``'s ``w4a8_pass``):
     the calls ``Q4Before``, the attention and ``Q4After`` make, in their order and on buffers of
     their precision, without the Python between them (about 6 calls of 5-7 microseconds a layer:
-    a sixth of a 2-row step on SmolLM2). For chain passes (``FastTarget.positions_pass``); draft
-    trees keep the layer-by-layer calls, whose numbers these are bit for bit (``fused_pass``
-    checks it before the target uses it)."""
+    a sixth of a 2-row step on SmolLM2). For chain passes (``FastTarget.positions_pass``), whose
+    numbers ``fused_pass`` checks bit for bit against the layer-by-layer pass before the target
+    uses it, and draft trees (``tree``): there each path's new nodes are attended in their own
+    call, the layer-by-layer tree path's calls (``tree_attention``), whose rows the attention's
+    own probe checks against a chain's."""
 
     def __init__(self, target) -> None:
         import ctypes
@@ -212,4 +214,4 @@ def fused_pass(target) -> tuple[FusedPass | None, str]:
         target.reset(max(capacity, 1))
     if not all(torch.equal(a, b) for a, b in zip(*results)):
         return None, "layer by layer (the one-call pass's numbers were not the layers')"
-    return fused, "every layer in one C++ call for chain passes"
+    return fused, "every layer of a pass in one C++ call"

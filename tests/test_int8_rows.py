@@ -132,7 +132,7 @@ def test_w4a8_layers_and_q8_0_head_are_the_eager_ones_and_lossless(kernel_cache)
     assert runner.weight_note.startswith("w4a8: Q4_1 groups of 32 (requantized from the loaded weights), the rows int8")
     assert runner.kernel_note == ("3 of 3 decoder layers on the GGUF's Q4_1 codes with their norms and residual adds "
                                   f"inside the products; {attention_note(runner)}; the LM head the GGUF's Q8_0 blocks "
-                                  "with int8 rows (VNNI); every layer in one C++ call for chain passes")
+                                  "with int8 rows (VNNI); every layer of a pass in one C++ call")
     assert isinstance(runner._fused_pass, q4_layers.FusedPass)
     assert all(isinstance(layer.after.down, int8_rows.Q4Q8DotWeight) for layer in runner.layers)
     assert isinstance(runner._lm_head.kernel, int8_rows.Q8Q8DotWeight) and runner.batch_invariant
