@@ -392,12 +392,21 @@ def browser_session(session_hash: str) -> type:
 def exact_three_tokens(model: torch.nn.Module, prompt: list[int], temperature: float, vocab: int) -> dict[tuple, float]:
     """The target's exact distribution over its next three tokens after ``prompt`` when sampling
     at ``temperature`` (from the model alone, token by token): what sampling tests compare with."""
+
+    def next_logits(ids: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            return model(torch.tensor([ids])).logits[0, -1]
+
+    return three_token_distribution(next_logits, prompt, temperature, vocab)
+
+
+def three_token_distribution(next_logits, prompt: list[int], temperature: float, vocab: int) -> dict[tuple, float]:
+    """The distribution over the next three tokens after ``prompt`` sampled at ``temperature``,
+    ``next_logits(ids)`` giving the next token's logits after ``ids``."""
     from dflash_core import acceptance
 
     def next_probs(ids: list[int]) -> torch.Tensor:
-        with torch.no_grad():
-            logits = model(torch.tensor([ids])).logits[0, -1]
-        return acceptance.warp(logits, temperature)
+        return acceptance.warp(next_logits(ids), temperature)
 
     expected = {}
     p1 = next_probs(prompt)

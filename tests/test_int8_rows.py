@@ -10,13 +10,14 @@ import copy
 import pytest
 import torch
 
-from dflash_core import acceptance, aoti_kernels, int8_rows, q4_dot, q4_layers, q8_drafter
+from dflash_core import aoti_kernels, int8_rows, q4_dot, q4_layers, q8_drafter
 from dflash_core.drafter import RMSNorm, apply_rope
 from dflash_core.speculative import GenerationConfig, collect, stream
 from dflash_core.target import FastTarget
 from dflash_core.testing import (PROMPTS, assert_greedy_lossless, assert_greedy_tree_lossless, assert_same_logits,
                                  assert_tree_nodes_are_their_paths, attention_note, chi_square_passes,
-                                 eager_layers_twin, llama_with_q8_0_head, tiny_drafter, tiny_target, two_shape_llama)
+                                 eager_layers_twin, llama_with_q8_0_head, three_token_distribution, tiny_drafter,
+                                 tiny_target, two_shape_llama)
 from dflash_core.weight_formats import Q4Blocks, Q8Blocks, quantize_q4, quantize_q8
 
 needs_kernels = pytest.mark.skipif(int8_rows.refusal() is not None, reason=f"int8_rows cannot run here: {int8_rows.refusal()}")
@@ -177,17 +178,11 @@ def test_sampling_with_a_w4a8_target_follows_that_targets_own_distribution():
     runner = FastTarget(model, weights="w4a8")
     assert runner.weight_format == "w4a8" and runner.batch_invariant, runner.weight_note
 
-    def next_probs(ids: list[int]) -> torch.Tensor:
+    def next_logits(ids: list[int]) -> torch.Tensor:
         runner.reset(64)
-        return acceptance.warp(runner.forward(torch.tensor(ids), None, last_only=True).logits[-1], temperature)
+        return runner.forward(torch.tensor(ids), None, last_only=True).logits[-1]
 
-    expected = {}
-    p1 = next_probs(prompt)
-    for a in range(vocab):
-        p2 = next_probs(prompt + [a])
-        for b in range(vocab):
-            p3 = next_probs(prompt + [a, b])
-            expected.update({(a, b, c): float(p1[a] * p2[b] * p3[c]) for c in range(vocab)})
+    expected = three_token_distribution(next_logits, prompt, temperature, vocab)
     drafter = tiny_drafter(model, layers=1, block_size=4, mask_token_id=4, seed=2)
     n, observed, accepted = 2000, {}, 0
     for seed in range(n):
