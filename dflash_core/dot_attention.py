@@ -31,13 +31,7 @@ class DotAttention:
     cache, (kv_heads, capacity, D)) are written in place."""
 
     def __init__(self) -> None:
-        import ctypes
-
-        lib = library()
-        pointer, size = ctypes.c_void_p, ctypes.c_int64
-        lib.write_and_attend.argtypes = [pointer] * 6 + [size] * 5 + [pointer, ctypes.c_int]
-        lib.write_and_attend.restype = None
-        self._kernel = lib.write_and_attend
+        self._kernel = library().write_and_attend
         self.runner = self  # CompiledAttention's callers call runner.run
 
     def runs(self, positions: list[int], capacity: int) -> list[tuple[int, int, None]]:

@@ -65,10 +65,12 @@ def unavailable() -> str | None:
 @functools.cache
 def compiled(source: Path) -> ctypes.CDLL:
     """The C++ file ``source`` compiled with ``FLAGS`` and loaded, built into the cache first where
-    it is missing (named by its content, so an edited source builds anew)."""
+    it is missing (named by its content and the headers beside it, so an edited source or header
+    builds anew)."""
     from .aoti_kernels import build_lock, kernel_dir
 
-    digest = hashlib.sha256(source.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:12]
+    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
+    digest = hashlib.sha256(source.read_bytes() + headers + " ".join(FLAGS).encode()).hexdigest()[:12]
     library = kernel_dir() / f"{source.stem}-{digest}.so"
     with build_lock(library):
         if not library.exists():

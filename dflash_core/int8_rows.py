@@ -14,8 +14,8 @@ instruction. ``csrc/q4_dot.cpp``'s ``int8_rows_*`` entries do the same for:
   32) with int8 rows: the w4a8 target's LM head (the GGUF's Q8_0 output matrix) and, quantized
   from its weights (``quantize_q8``), the drafter's matrices beside it (``q8_drafter``).
 
-The rows' rounding is coarser than bf16's (a product's relative error ~5e-3 against ~2e-3 for
-random rows), the numbers llama.cpp computes on the same file; each row's numbers are summed in one
+The rows' rounding is coarser than bf16's (a product's relative error 5-6e-3 against the same
+product with bf16 rows, ``scripts/int8_dot_speed.py``), the numbers llama.cpp computes on the same file; each row's numbers are summed in one
 fixed order whatever the rows beside it, so greedy DFlash still equals greedy AR, and a probe checks
 it with the product of the file's weights, as for every kernel.
 """
@@ -86,22 +86,18 @@ class Int8RowsWeight:
         """The product of contiguous fp32 rows ``x`` (M, K), after ``FastTarget.norm``'s RMS norm
         where ``norm`` (fp32 (K,)) is given; plus contiguous fp32 ``add`` (M, N); in fp32."""
         n, k = self.shape
-        m = x.shape[0]
-        normed = torch.empty(m, k) if norm is not None else None
-        out = torch.empty(m, n)
-        self._floats(self.format, x.data_ptr(), m, k, None if norm is None else norm.data_ptr(), eps,
-                     None if normed is None else normed.data_ptr(), self.packed.data_ptr(),
-                     None if add is None else add.data_ptr(), out.data_ptr(), n, torch.get_num_threads())
+        out = torch.empty(x.shape[0], n)
+        self._floats(self.format, x.data_ptr(), x.shape[0], k, None if norm is None else norm.data_ptr(), eps,
+                     self.packed.data_ptr(), None if add is None else add.data_ptr(), out.data_ptr(), n,
+                     torch.get_num_threads())
         return out
 
     def glu(self, gate_up: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
         """The product of the rows SiLU(gate) x up (``gate_up`` (M, 2 K) contiguous fp32: a layer's
         gate and up products side by side); plus contiguous fp32 ``add`` (M, N); in fp32."""
         n, k = self.shape
-        m = gate_up.shape[0]
-        scratch = torch.empty(m, k)
-        out = torch.empty(m, n)
-        self._glu(self.format, gate_up.data_ptr(), m, k, scratch.data_ptr(), self.packed.data_ptr(),
+        out = torch.empty(gate_up.shape[0], n)
+        self._glu(self.format, gate_up.data_ptr(), gate_up.shape[0], k, self.packed.data_ptr(),
                   None if add is None else add.data_ptr(), out.data_ptr(), n, torch.get_num_threads())
         return out
 

@@ -37,13 +37,15 @@ def library():
                                   pointer, size, ctypes.c_int]
     lib.q4_dot_glu.argtypes = [pointer, size, size, pointer, pointer, pointer, pointer, pointer, size, ctypes.c_int]
     lib.rope_split.argtypes = [pointer, size, size, size, size, pointer, pointer, size, pointer, pointer,
-                               ctypes.c_float, pointer, pointer, pointer]
+                               ctypes.c_float, ctypes.c_int, pointer, pointer, pointer]
     lib.int8_rows_floats.argtypes = [ctypes.c_int, pointer, size, size, pointer, ctypes.c_float, pointer, pointer,
-                                     pointer, pointer, size, ctypes.c_int]
-    lib.int8_rows_glu.argtypes = [ctypes.c_int, pointer, size, size, pointer, pointer, pointer, pointer, size,
-                                  ctypes.c_int]
+                                     pointer, size, ctypes.c_int]
+    lib.int8_rows_glu.argtypes = [ctypes.c_int, pointer, size, size, pointer, pointer, pointer, size, ctypes.c_int]
+    lib.write_and_attend.argtypes = [pointer] * 6 + [size] * 5 + [pointer, ctypes.c_int]  # dot_attention
+    lib.w4a8_pass.argtypes = ([pointer, size, pointer] + [size] * 6 + [pointer] * 5 + [size] * 2 +  # q4_layers.FusedPass
+                              [ctypes.c_float, pointer, pointer, pointer, size, size, pointer, pointer, ctypes.c_int])
     for function in (lib.q4_dot, lib.q4_dot_floats, lib.q4_dot_glu, lib.rope_split, lib.int8_rows_floats,
-                     lib.int8_rows_glu):
+                     lib.int8_rows_glu, lib.write_and_attend, lib.w4a8_pass):
         function.restype = None
     return lib
 
@@ -139,19 +141,20 @@ class Q4DotWeight:
 
 
 def rope_split(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,
-               q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, eps: float = 0.0
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, eps: float = 0.0,
+               rotate_half: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A layer's QKV product ``qkv`` (T, (heads + 2 kv_heads) D), contiguous fp32, as attention
     takes it: queries and keys with ``FastTarget.rope`` applied (``cos``, ``sin``, contiguous:
     (T, heads + kv_heads, D), a row per head, or (T, D) for all heads), each head first RMS-normed
-    where ``q_norm`` / ``k_norm`` (fp32 (D,), the drafter's) are given; and values; each
-    contiguous, in one call."""
+    where ``q_norm`` / ``k_norm`` (fp32 (D,), the drafter's) are given, and with ``rotate_half``
+    the drafter's rotation (``drafter.apply_rope``: the rolled first half negated) instead; and
+    values; each contiguous, in one call."""
     t, d = qkv.shape[0], cos.shape[-1]
     table_heads = 1 if cos.dim() == 2 else cos.shape[1]
     q, k, v = torch.empty(t, heads, d), torch.empty(t, kv_heads, d), torch.empty(t, kv_heads, d)
     library().rope_split(qkv.data_ptr(), t, heads, kv_heads, d, cos.data_ptr(), sin.data_ptr(), table_heads,
                          None if q_norm is None else q_norm.data_ptr(), None if k_norm is None else k_norm.data_ptr(),
-                         eps, q.data_ptr(), k.data_ptr(), v.data_ptr())
+                         eps, int(rotate_half), q.data_ptr(), k.data_ptr(), v.data_ptr())
     return q, k, v
 
 

@@ -27,7 +27,7 @@ from .aoti_layers import CompiledLayer, close_to_rounding
 from .families import FusedLayer
 from .kernels import probe_rows
 from .int8_rows import Q4Q8DotWeight
-from .q4_dot import Q4DotWeight, rope_split
+from .q4_dot import Q4DotWeight, library, rope_split
 from .weight_formats import QuantizedLinear
 
 MATRICES = ("qkv", "o", "gate_up", "down")
@@ -114,18 +114,14 @@ def q4_layers(target) -> tuple[list[CompiledLayer] | None, str]:
 class FusedPass:
     """Every decoder layer of a w4a8 target in one C++ call (``csrc/q4_dot.cpp``'s ``w4a8_pass``):
     the calls ``Q4Before``, the attention and ``Q4After`` make, in their order and on buffers of
-    their precision, without the Python between them (about 6 calls of 5-7 microseconds a layer:
-    a sixth of a 2-row step on SmolLM2). For chain passes (``FastTarget.positions_pass``), whose
-    numbers ``fused_pass`` checks bit for bit against the layer-by-layer pass before the target
-    uses it, and draft trees (``tree``): there each path's new nodes are attended in their own
-    call, the layer-by-layer tree path's calls (``tree_attention``), whose rows the attention's
-    own probe checks against a chain's."""
+    their precision, without the Python and ctypes between them (about six calls a layer: a 2-row
+    SmolLM2 pass 8.10 -> 5.69 ms, ``scripts/pass_parts.py``). For chain passes
+    (``FastTarget.positions_pass``), whose numbers ``fused_pass`` checks bit for bit against the
+    layer-by-layer pass before the target uses it, and draft trees (``tree``): there each path's
+    new nodes are attended in their own call, the layer-by-layer tree path's calls
+    (``tree_attention``), whose rows the attention's own probe checks against a chain's."""
 
     def __init__(self, target) -> None:
-        import ctypes
-
-        from .q4_dot import library
-
         self.target = target
         self.intermediate = target.layers[0].after.down.shape[1]
         table = []
@@ -134,12 +130,8 @@ class FusedPass:
             table += [before.qkv.packed.data_ptr(), after.o.packed.data_ptr(), after.gate_up.packed.data_ptr(),
                       after.down.packed.data_ptr(), before.ln1.data_ptr(), after.ln2.data_ptr()]
         self.table = torch.tensor(table, dtype=torch.int64)
-        lib = library()
-        pointer, size = ctypes.c_void_p, ctypes.c_int64
-        lib.w4a8_pass.argtypes = ([pointer, size, pointer] + [size] * 6 + [pointer] * 5 + [size] * 2 +
-                                  [ctypes.c_float, pointer, pointer, pointer, size, size, pointer, pointer, ctypes.c_int])
-        lib.w4a8_pass.restype = None
-        self._kernel = lib.w4a8_pass
+        self._kernel = library().w4a8_pass
+        self._slots: dict[tuple, torch.Tensor] = {}  # per set of feature layers: each layer's slot or -1
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: torch.Tensor,
                  wanted: dict[int, int], feats: list, real: int) -> torch.Tensor:
@@ -160,9 +152,11 @@ class FusedPass:
         target = self.target
         t, e = x.shape
         x = x.float().contiguous()  # updated in place by the kernel
-        slot = torch.full((target.num_layers,), -1, dtype=torch.int64)
-        for layer, n in wanted.items():
-            slot[layer] = n
+        slot = self._slots.get(key := tuple(wanted.items()))
+        if slot is None:
+            slot = self._slots[key] = torch.full((target.num_layers,), -1, dtype=torch.int64)
+            for layer, n in wanted.items():
+                slot[layer] = n
         features = torch.empty(len(wanted), t, e) if wanted else None
         keys, values = target.cache.k, target.cache.v
         cos, sin, rows = cos.contiguous(), sin.contiguous(), rows.to(torch.int64).contiguous()

@@ -3,8 +3,8 @@
 
 A drafter pass is paid every cycle. Beside the int4 and int8 targets its layers run inductor's
 int8 weight-only GEMM, which on an AVX512-BF16 CPU without AMX widens rows and codes to fp32: a
-16-row pass of a three-layer drafter then cost ~6 ms of a ~33 ms cycle on the EPYC measured,
-about what 30 target layers cost with ``int8_rows`` (docs/BENCHMARKS-AMD.md). Here its matrices
+16-row pass of a three-layer drafter then cost 6.6-7.0 ms of a 33 ms cycle beside the int4 target
+on the EPYC measured (``make benchmarks-bars``; 4.1-4.5 ms this way: docs/BENCHMARKS-AMD.md). Here its matrices
 are quantized to Q8_0 (groups of 32, ``weight_formats.quantize_q8``) and each layer's decode pass
 is: the block's rows through QKV with the input norm inside the call, the new context's rows
 (not normed, as in z-lab's layer) through the same matrix, the per-head norms, rotary and the
@@ -33,13 +33,6 @@ def q8_matrix(weight: torch.Tensor) -> Q8Q8DotWeight:
     return Q8Q8DotWeight(quantize_q8(weight.detach().float()))
 
 
-def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
-    """The drafter's sin table with its first half negated: ``rope_split`` adds roll(x) x sin,
-    the drafter's rotate_half negates the first half of roll(x) (an exact sign flip)."""
-    half = sin.shape[-1] // 2
-    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1).float().contiguous()
-
-
 class Q8DrafterLayer(CompiledDrafterLayer):
     """One drafter layer's decode pass on ``int8_rows``' kernels (``CompiledDrafterLayer``'s calls)."""
 
@@ -63,11 +56,11 @@ class Q8DrafterLayer(CompiledDrafterLayer):
     def __call__(self, x, context, rope_block, rope_context, cache, layer_index: int, context_positions) -> torch.Tensor:
         heads, kv_heads = self.heads
         rows = x[0].float().contiguous()
-        split = (heads, kv_heads, self.q_norm, self.k_norm, self.qk_eps)
-        q, k_block, v_block = rope_split(self.qkv.floats(rows, self.ln1, self.eps1),
-                                         rope_block[0][0].float().contiguous(), _signed_sin(rope_block[1][0]), *split)
-        _, k_new, v_new = rope_split(self.qkv.floats(context[0].float().contiguous()),
-                                     rope_context[0][0].float().contiguous(), _signed_sin(rope_context[1][0]), *split)
+        split = (heads, kv_heads, self.q_norm, self.k_norm, self.qk_eps, True)  # the drafter's rotate_half
+        (cos, sin), (context_cos, context_sin) = ((t[0].float().contiguous() for t in table)
+                                                  for table in (rope_block, rope_context))
+        q, k_block, v_block = rope_split(self.qkv.floats(rows, self.ln1, self.eps1), cos, sin, *split)
+        _, k_new, v_new = rope_split(self.qkv.floats(context[0].float().contiguous()), context_cos, context_sin, *split)
         k_context, v_context = cache.extend(layer_index, k_new.transpose(0, 1)[None], v_new.transpose(0, 1)[None],
                                             None if context_positions is None else context_positions[0])
         out = F.scaled_dot_product_attention(

@@ -19,6 +19,17 @@ import torch
 from dflash_core.engine import Engine
 
 
+def pass_ms(runner, context: torch.Tensor, block: torch.Tensor, passes: int = 30) -> float:
+    """Milliseconds a pass of ``block`` over ``context`` (prefilled into a fresh cache), each undone."""
+    runner.reset(512)
+    runner.forward(context, None, last_only=True)
+    began = time.perf_counter()
+    for _ in range(passes):
+        runner.forward(block, None)
+        runner.truncate(len(context))
+    return (time.perf_counter() - began) / passes * 1e3
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pairs", default="smollm2-135m-int4,smollm2-135m-w8a8")
@@ -36,14 +47,9 @@ def main() -> int:
         times: dict[str, list[float]] = {pair: [] for pair in runners}
         for round_ in range(opts.rounds + 1):  # the first round warms up
             for pair, runner in runners.items():
-                runner.reset(512)
-                runner.forward(context, None, last_only=True)
-                began = time.perf_counter()
-                for _ in range(30):
-                    runner.forward(block, None)
-                    runner.truncate(len(context))
+                ms = pass_ms(runner, context, block)
                 if round_:
-                    times[pair].append((time.perf_counter() - began) / 30 * 1e3)
+                    times[pair].append(ms)
         print(f"{rows} rows: " + ", ".join(f"{pair} {statistics.median(t):.2f} ms" for pair, t in times.items()), flush=True)
     return 0
 

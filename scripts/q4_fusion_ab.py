@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
 from dflash_core import q4_layers
 from dflash_core.engine import Engine
+from pass_times import pass_ms  # scripts/, the folder Python runs this script from
 
 
 def eager_before(self, x, cos, sin):
@@ -50,14 +50,9 @@ def main() -> int:
         for round_ in range(9):
             for name, (before, after) in (list(variants.items()) if round_ % 2 else list(variants.items())[::-1]):
                 q4_layers.Q4Before.__call__, q4_layers.Q4After.__call__ = before, after
-                runner.reset(512)
-                runner.forward(context, None, last_only=True)
-                began = time.perf_counter()
-                for _ in range(30):
-                    runner.forward(block, None)
-                    runner.truncate(len(context))
+                ms = pass_ms(runner, context, block)
                 if round_:
-                    times[name].append((time.perf_counter() - began) / 30 * 1e3)
+                    times[name].append(ms)
         q4_layers.Q4Before.__call__, q4_layers.Q4After.__call__ = fused
         print(f"{rows} rows: " + ", ".join(f"{name} {statistics.median(t):.2f} ms" for name, t in times.items()), flush=True)
     return 0

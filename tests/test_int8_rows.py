@@ -114,8 +114,8 @@ def test_rope_split_norms_each_head_and_takes_one_table_for_all_heads_as_the_dra
     with torch.no_grad():
         q_norm.weight.uniform_(0.5, 1.5, generator=generator)
         k_norm.weight.uniform_(0.5, 1.5, generator=generator)
-    q, k, v = q4_dot.rope_split(qkv, cos, q8_drafter._signed_sin(sin), heads, kv_heads, q_norm.weight.detach(),
-                                k_norm.weight.detach(), 1e-6)
+    q, k, v = q4_dot.rope_split(qkv, cos, sin, heads, kv_heads, q_norm.weight.detach(), k_norm.weight.detach(), 1e-6,
+                                rotate_half=True)
     split = qkv.view(rows, heads + 2 * kv_heads, d).transpose(0, 1)[None]  # (1, heads, T, D) as the drafter has it
     with torch.no_grad():
         want_q = apply_rope(q_norm(split[:, :heads]), cos[None], sin[None])

@@ -17,7 +17,8 @@
 // groups summed in order, so the product is the file's weights' (up to 8 rows per pass: two sets of
 // accumulators).
 #include <immintrin.h>
-#include <omp.h>
+
+#include "blocks.h"
 
 #include <cstdint>
 #include <cstring>
@@ -53,8 +54,7 @@ template <int MB, int NB>
 void tile(const uint16_t* x, int64_t K, const int8_t* q, const float* scale, const float* add, float* y,
           int64_t N, int64_t nb0) {
   __m512 acc[MB][NB];
-  for (int m = 0; m < MB; ++m)
-    for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_ps();
+  zero(acc);
   accumulate<MB, NB>(x, K, q, nb0, 0, K / 2, acc);
   for (int j = 0; j < NB; ++j) {
     const int64_t n = (nb0 + j) * 16;
@@ -72,11 +72,8 @@ template <int MB>
 void rows(const uint16_t* x, int64_t K, const int8_t* q, const float* scale, const float* add, float* y, int64_t N,
           int threads) {
   constexpr int NB = MB <= 4 ? 4 : (MB <= 8 ? 2 : 1);
-  const int64_t blocks = N / 16;
-  const int64_t groups = blocks / NB;
-#pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t g = 0; g < groups; ++g) tile<MB, NB>(x, K, q, scale, add, y, N, g * NB);
-  for (int64_t nb = groups * NB; nb < blocks; ++nb) tile<MB, 1>(x, K, q, scale, add, y, N, nb);
+  over_block_sets<NB>(N, threads, [&](int64_t nb) { tile<MB, NB>(x, K, q, scale, add, y, N, nb); },
+                      [&](int64_t nb) { tile<MB, 1>(x, K, q, scale, add, y, N, nb); });
 }
 
 using RowsFn = void (*)(const uint16_t*, int64_t, const int8_t*, const float*, const float*, float*, int64_t, int);
@@ -87,10 +84,9 @@ constexpr RowsFn BY_ROWS[17] = {nullptr,   rows<1>,  rows<2>,  rows<3>,  rows<4>
 
 extern "C" void int8_dot(const uint16_t* x, int64_t M, int64_t K, const int8_t* q, const float* scale,
                          const float* add, float* y, int64_t N, int threads) {
-  for (int64_t m0 = 0; m0 < M; m0 += 16) {
-    const int64_t mb = M - m0 < 16 ? M - m0 : 16;
+  over_row_runs(M, 16, [&](int64_t m0, int64_t mb) {
     BY_ROWS[mb](x + m0 * K, K, q, scale, add ? add + m0 * N : nullptr, y + m0 * N, N, threads);
-  }
+  });
 }
 
 namespace {
@@ -99,36 +95,25 @@ template <int MB, int NB>
 void group_tile(const uint16_t* x, int64_t K, const int8_t* q, const float* scales, const float* add, float* y,
                 int64_t N, int64_t nb0) {
   __m512 total[MB][NB], group[MB][NB];
-  for (int m = 0; m < MB; ++m)
-    for (int j = 0; j < NB; ++j) total[m][j] = _mm512_setzero_ps();
+  zero(total);
   const int64_t groups = K / 32;
   for (int64_t g = 0; g < groups; ++g) {
-    for (int m = 0; m < MB; ++m)
-      for (int j = 0; j < NB; ++j) group[m][j] = _mm512_setzero_ps();
+    zero(group);
     accumulate<MB, NB>(x, K, q, nb0, g * 16, g * 16 + 16, group);
     for (int j = 0; j < NB; ++j) {
       const __m512 s = _mm512_loadu_ps(scales + ((nb0 + j) * groups + g) * 16);
       for (int m = 0; m < MB; ++m) total[m][j] = _mm512_fmadd_ps(group[m][j], s, total[m][j]);
     }
   }
-  for (int j = 0; j < NB; ++j) {
-    const int64_t n = (nb0 + j) * 16;
-    for (int m = 0; m < MB; ++m) {
-      const __m512 base = add ? _mm512_loadu_ps(add + m * N + n) : _mm512_setzero_ps();
-      _mm512_storeu_ps(y + m * N + n, _mm512_add_ps(total[m][j], base));
-    }
-  }
+  store(total, add, y, N, nb0);
 }
 
 template <int MB>
 void group_rows(const uint16_t* x, int64_t K, const int8_t* q, const float* scales, const float* add, float* y,
                 int64_t N, int threads) {
   constexpr int NB = MB <= 2 ? 4 : (MB <= 4 ? 2 : 1);
-  const int64_t blocks = N / 16;
-  const int64_t sets = blocks / NB;
-#pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t s = 0; s < sets; ++s) group_tile<MB, NB>(x, K, q, scales, add, y, N, s * NB);
-  for (int64_t nb = sets * NB; nb < blocks; ++nb) group_tile<MB, 1>(x, K, q, scales, add, y, N, nb);
+  over_block_sets<NB>(N, threads, [&](int64_t nb) { group_tile<MB, NB>(x, K, q, scales, add, y, N, nb); },
+                      [&](int64_t nb) { group_tile<MB, 1>(x, K, q, scales, add, y, N, nb); });
 }
 
 constexpr RowsFn BY_GROUP_ROWS[9] = {nullptr, group_rows<1>, group_rows<2>, group_rows<3>, group_rows<4>,
@@ -138,8 +123,7 @@ constexpr RowsFn BY_GROUP_ROWS[9] = {nullptr, group_rows<1>, group_rows<2>, grou
 
 extern "C" void int8_group_dot(const uint16_t* x, int64_t M, int64_t K, const int8_t* q, const float* scales,
                                const float* add, float* y, int64_t N, int threads) {
-  for (int64_t m0 = 0; m0 < M; m0 += 8) {
-    const int64_t mb = M - m0 < 8 ? M - m0 : 8;
+  over_row_runs(M, 8, [&](int64_t m0, int64_t mb) {
     BY_GROUP_ROWS[mb](x + m0 * K, K, q, scales, add ? add + m0 * N : nullptr, y + m0 * N, N, threads);
-  }
+  });
 }

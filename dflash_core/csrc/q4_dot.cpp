@@ -25,7 +25,8 @@
 // gate/up matrices: one pass over the rows instead of PyTorch's half a dozen ops); both entries add
 // an optional fp32 residual (M, N) to the result.
 #include <immintrin.h>
-#include <omp.h>
+
+#include "blocks.h"
 
 #include <cmath>
 #include <cstdint>
@@ -56,12 +57,10 @@ template <int MB, int NB>
 void tile(const uint16_t* x, const float* xsum, int64_t K, const uint8_t* q, const float* add, float* y, int64_t N,
           int64_t nb0) {
   __m512 total[MB][NB], group[MB][NB];
-  for (int m = 0; m < MB; ++m)
-    for (int j = 0; j < NB; ++j) total[m][j] = _mm512_setzero_ps();
+  zero(total);
   const int64_t groups = K / 32;
   for (int64_t g = 0; g < groups; ++g) {
-    for (int m = 0; m < MB; ++m)
-      for (int j = 0; j < NB; ++j) group[m][j] = _mm512_setzero_ps();
+    zero(group);
     for (int j = 0; j < NB; ++j) {
       const uint8_t* run = q + ((nb0 + j) * groups + g) * GROUP_BYTES;
       for (int t = 0; t < 4; ++t) {
@@ -88,11 +87,7 @@ void tile(const uint16_t* x, const float* xsum, int64_t K, const uint8_t* q, con
       }
     }
   }
-  for (int j = 0; j < NB; ++j)
-    for (int m = 0; m < MB; ++m) {
-      const int64_t at = m * N + (nb0 + j) * 16;
-      _mm512_storeu_ps(y + at, add ? _mm512_add_ps(total[m][j], _mm512_loadu_ps(add + at)) : total[m][j]);
-    }
+  store(total, add, y, N, nb0);
 }
 
 // Up to 8 rows (two sets of accumulators each): fewer rows take more output blocks at once.
@@ -100,11 +95,8 @@ template <int MB>
 void rows(const uint16_t* x, const float* xsum, int64_t K, const uint8_t* q, const float* add, float* y, int64_t N,
           int threads) {
   constexpr int NB = MB <= 1 ? 8 : (MB <= 2 ? 4 : (MB <= 4 ? 2 : 1));
-  const int64_t blocks = N / 16;
-  const int64_t sets = blocks / NB;
-#pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t s = 0; s < sets; ++s) tile<MB, NB>(x, xsum, K, q, add, y, N, s * NB);
-  for (int64_t nb = sets * NB; nb < blocks; ++nb) tile<MB, 1>(x, xsum, K, q, add, y, N, nb);
+  over_block_sets<NB>(N, threads, [&](int64_t nb) { tile<MB, NB>(x, xsum, K, q, add, y, N, nb); },
+                      [&](int64_t nb) { tile<MB, 1>(x, xsum, K, q, add, y, N, nb); });
 }
 
 using RowsFn = void (*)(const uint16_t*, const float*, int64_t, const uint8_t*, const float*, float*, int64_t, int);
@@ -128,10 +120,9 @@ extern "C" void q4_dot(const uint16_t* x, int64_t M, int64_t K, const uint8_t* q
     for (int k = 0; k < 32; ++k) sum += bf16_value(x[i * 32 + k]);
     xsum[i] = sum;
   }
-  for (int64_t m0 = 0; m0 < M; m0 += 8) {
-    const int64_t mb = M - m0 < 8 ? M - m0 : 8;
+  over_row_runs(M, 8, [&](int64_t m0, int64_t mb) {
     BY_ROWS[mb](x + m0 * K, xsum + m0 * groups, K, q, add ? add + m0 * N : nullptr, y + m0 * N, N, threads);
-  }
+  });
 }
 
 // q4_dot of fp32 rows x (M, K), rounded to bf16 into the scratch ``rows`` (M, K) after
@@ -140,12 +131,7 @@ extern "C" void q4_dot_floats(const float* x, int64_t M, int64_t K, const float*
                               const uint8_t* q, float* xsum, const float* add, float* y, int64_t N, int threads) {
   for (int64_t m = 0; m < M; ++m) {
     const float* row = x + m * K;
-    float scale = 1.0f;
-    if (norm) {
-      float squares = 0.0f;
-      for (int64_t k = 0; k < K; ++k) squares += row[k] * row[k];
-      scale = 1.0f / std::sqrt(squares / static_cast<float>(K) + eps);
-    }
+    const float scale = norm ? rms_scale(row, K, eps) : 1.0f;
     for (int64_t k = 0; k < K; ++k) rows[m * K + k] = bf16_bits(norm ? norm[k] * (row[k] * scale) : row[k]);
   }
   q4_dot(rows, M, K, q, xsum, add, y, N, threads);
@@ -196,10 +182,12 @@ extern "C" void q4_dot_glu(const float* gu, int64_t M, int64_t K, uint16_t* rows
 // x * cos + roll(x, D / 2) * sin as FastTarget.rope computes it, and v (T, KV, D). The tables
 // cos, sin are (T, table_heads, D): a row per head (table_heads = H + KV) or one for all
 // (table_heads = 1). Where q_norm / k_norm (D) are given, each query / key head is first RMS-normed
-// as the drafter's RMSNorm does it: weight * (x * 1 / sqrt(mean(x^2) + eps)).
+// as the drafter's RMSNorm does it: weight * (x * 1 / sqrt(mean(x^2) + eps)). ``rotate_half``: the
+// rolled first half negated, as the drafter's rotate_half does (FastTarget's sin table carries
+// that sign instead): x * cos + rotate_half(x) * sin.
 extern "C" void rope_split(const float* qkv, int64_t T, int64_t H, int64_t KV, int64_t D, const float* cos,
                            const float* sin, int64_t table_heads, const float* q_norm, const float* k_norm, float eps,
-                           float* q, float* k, float* v) {
+                           int rotate_half, float* q, float* k, float* v) {
   const int64_t half = D / 2, heads = H + 2 * KV;
   std::vector<float> normed(D);
   for (int64_t t = 0; t < T; ++t) {
@@ -207,9 +195,7 @@ extern "C" void rope_split(const float* qkv, int64_t T, int64_t H, int64_t KV, i
       const float* x = qkv + (t * heads + h) * D;
       const float* weight = h < H ? q_norm : k_norm;
       if (weight) {
-        float squares = 0.0f;
-        for (int64_t d = 0; d < D; ++d) squares += x[d] * x[d];
-        const float scale = 1.0f / std::sqrt(squares / static_cast<float>(D) + eps);
+        const float scale = rms_scale(x, D, eps);
         for (int64_t d = 0; d < D; ++d) normed[d] = weight[d] * (x[d] * scale);
         x = normed.data();
       }
@@ -218,7 +204,7 @@ extern "C" void rope_split(const float* qkv, int64_t T, int64_t H, int64_t KV, i
       const float* s = sin + table;
       float* out = h < H ? q + (t * H + h) * D : k + (t * KV + h - H) * D;
       for (int64_t d = 0; d < D; ++d) {
-        const float rolled = x[d < half ? d + half : d - half];
+        const float rolled = d < half ? (rotate_half ? -x[d + half] : x[d + half]) : x[d - half];
         const float a = x[d] * c[d];
         const float b = rolled * s[d];
         out[d] = a + b;
@@ -275,8 +261,7 @@ template <int F, int MB, int NB>
 void tile8(const int8_t* x, const float* xs, int64_t K, const uint8_t* q, const float* add, float* y, int64_t N,
            int64_t nb0) {
   __m512 total[MB][NB];
-  for (int m = 0; m < MB; ++m)
-    for (int j = 0; j < NB; ++j) total[m][j] = _mm512_setzero_ps();
+  zero(total);
   const int64_t groups = K / 32;
   const __m512i low = _mm512_set1_epi8(0x0F);
   for (int64_t g = 0; g < groups; ++g) {
@@ -320,11 +305,7 @@ void tile8(const int8_t* x, const float* xs, int64_t K, const uint8_t* q, const 
       }
     }
   }
-  for (int j = 0; j < NB; ++j)
-    for (int m = 0; m < MB; ++m) {
-      const int64_t at = m * N + (nb0 + j) * 16;
-      _mm512_storeu_ps(y + at, add ? _mm512_add_ps(total[m][j], _mm512_loadu_ps(add + at)) : total[m][j]);
-    }
+  store(total, add, y, N, nb0);
 }
 
 // Up to 16 rows in one pass over the weights; fewer rows take more output blocks at once.
@@ -332,11 +313,8 @@ template <int F, int MB>
 void rows8(const int8_t* x, const float* xs, int64_t K, const uint8_t* q, const float* add, float* y, int64_t N,
            int threads) {
   constexpr int NB = MB <= 2 ? 4 : (MB <= 4 ? 2 : 1);
-  const int64_t blocks = N / 16;
-  const int64_t sets = blocks / NB;
-#pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t s = 0; s < sets; ++s) tile8<F, MB, NB>(x, xs, K, q, add, y, N, s * NB);
-  for (int64_t nb = sets * NB; nb < blocks; ++nb) tile8<F, MB, 1>(x, xs, K, q, add, y, N, nb);
+  over_block_sets<NB>(N, threads, [&](int64_t nb) { tile8<F, MB, NB>(x, xs, K, q, add, y, N, nb); },
+                      [&](int64_t nb) { tile8<F, MB, 1>(x, xs, K, q, add, y, N, nb); });
 }
 
 using Rows8Fn = void (*)(const int8_t*, const float*, int64_t, const uint8_t*, const float*, float*, int64_t, int);
@@ -353,28 +331,32 @@ void int8_rows_product(int format, const float* rows, int64_t M, int64_t K, cons
   codes.resize(M * K);
   scales.resize(2 * M * (K / 32));
   quantize_rows(rows, M, K, format == Q8, codes.data(), scales.data());
-  for (int64_t m0 = 0; m0 < M; m0 += 16) {
-    const int64_t mb = M - m0 < 16 ? M - m0 : 16;
+  over_row_runs(M, 16, [&](int64_t m0, int64_t mb) {
     const Rows8Fn fn = format == Q4 ? BY_ROWS8<Q4>[mb] : BY_ROWS8<Q8>[mb];
     fn(codes.data() + m0 * K, scales.data() + 2 * m0 * (K / 32), K, q, add ? add + m0 * N : nullptr, y + m0 * N, N,
        threads);
-  }
+  });
+}
+
+// The rows the product takes when they are computed first (normed, or SiLU x up): per thread.
+float* row_scratch(int64_t size) {
+  thread_local std::vector<float> rows;
+  rows.resize(size);
+  return rows.data();
 }
 
 }  // namespace
 
 // The product of fp32 rows x (M, K) quantized per group of 32 to int8 with the matrix q of
 // ``format`` (0: Q4, 1: Q8; layouts above), after FastTarget.norm's RMS norm where ``norm`` (K)
-// is given (the normed rows into the scratch ``normed`` (M, K)); plus an optional fp32 residual
-// ``add`` (M, N); fp32 out.
+// is given; plus an optional fp32 residual ``add`` (M, N); fp32 out.
 extern "C" void int8_rows_floats(int format, const float* x, int64_t M, int64_t K, const float* norm, float eps,
-                                 float* normed, const uint8_t* q, const float* add, float* y, int64_t N, int threads) {
+                                 const uint8_t* q, const float* add, float* y, int64_t N, int threads) {
   if (norm) {
+    float* normed = row_scratch(M * K);
     for (int64_t m = 0; m < M; ++m) {
       const float* row = x + m * K;
-      float squares = 0.0f;
-      for (int64_t k = 0; k < K; ++k) squares += row[k] * row[k];
-      const float scale = 1.0f / std::sqrt(squares / static_cast<float>(K) + eps);
+      const float scale = rms_scale(row, K, eps);
       for (int64_t k = 0; k < K; ++k) normed[m * K + k] = norm[k] * (row[k] * scale);
     }
     x = normed;
@@ -382,10 +364,10 @@ extern "C" void int8_rows_floats(int format, const float* x, int64_t M, int64_t 
   int8_rows_product(format, x, M, K, q, add, y, N, threads);
 }
 
-// int8_rows_floats of the rows SiLU(gu[:, :I]) x gu[:, I:] (gu (M, 2 I) fp32, into the scratch
-// ``rows`` (M, I)): K = I.
-extern "C" void int8_rows_glu(int format, const float* gu, int64_t M, int64_t K, float* rows, const uint8_t* q,
-                              const float* add, float* y, int64_t N, int threads) {
+// int8_rows_floats of the rows SiLU(gu[:, :I]) x gu[:, I:] (gu (M, 2 I) fp32): K = I.
+extern "C" void int8_rows_glu(int format, const float* gu, int64_t M, int64_t K, const uint8_t* q, const float* add,
+                              float* y, int64_t N, int threads) {
+  float* rows = row_scratch(M * K);
   for (int64_t m = 0; m < M; ++m) {
     const float* gate = gu + m * 2 * K;
     const float* up = gate + K;
@@ -512,8 +494,8 @@ extern "C" void w4a8_pass(const int64_t* layers, int64_t L, float* x, int64_t T,
                           float* features, const int64_t* turns, int64_t n_turns, int64_t real, float* tree_k,
                           float* tree_v, int threads) {
   const int64_t width = (H + 2 * KV) * D;
-  std::vector<float> normed(T * (E > I ? E : I)), qkv(T * width), q(T * H * D), k(T * KV * D), v(T * KV * D),
-      att(T * H * D), h(T * E), gate_up(T * 2 * I), rows_scratch(T * I);
+  std::vector<float> qkv(T * width), q(T * H * D), k(T * KV * D), v(T * KV * D), att(T * H * D), h(T * E),
+      gate_up(T * 2 * I);
   for (int64_t l = 0; l < L; ++l) {
     const int64_t* w = layers + 6 * l;
     const auto matrix = [&](int i) { return reinterpret_cast<const uint8_t*>(w[i]); };
@@ -521,8 +503,8 @@ extern "C" void w4a8_pass(const int64_t* layers, int64_t L, float* x, int64_t T,
     const float* ln2 = reinterpret_cast<const float*>(w[5]);
     float* layer_keys = keys + l * layer_stride;
     float* layer_values = values + l * layer_stride;
-    int8_rows_floats(Q4, x, T, E, ln1, eps, normed.data(), matrix(0), nullptr, qkv.data(), width, threads);
-    rope_split(qkv.data(), T, H, KV, D, cos, sin, H + KV, nullptr, nullptr, 0.0f, q.data(), k.data(), v.data());
+    int8_rows_floats(Q4, x, T, E, ln1, eps, matrix(0), nullptr, qkv.data(), width, threads);
+    rope_split(qkv.data(), T, H, KV, D, cos, sin, H + KV, nullptr, nullptr, 0.0f, 0, q.data(), k.data(), v.data());
     if (!turns) {
       write_and_attend(q.data(), k.data(), v.data(), layer_keys, layer_values, rows, T, H, KV, D, C, att.data(), threads);
     } else {
@@ -538,9 +520,9 @@ extern "C" void w4a8_pass(const int64_t* layers, int64_t L, float* x, int64_t T,
         std::memcpy(tree_v + l * T * KV * D, v.data(), sizeof(float) * T * KV * D);
       }
     }
-    int8_rows_floats(Q4, att.data(), T, H * D, nullptr, 0.0f, nullptr, matrix(1), x, h.data(), E, threads);
-    int8_rows_floats(Q4, h.data(), T, E, ln2, eps, normed.data(), matrix(2), nullptr, gate_up.data(), 2 * I, threads);
-    int8_rows_glu(Q4, gate_up.data(), T, I, rows_scratch.data(), matrix(3), h.data(), x, E, threads);
+    int8_rows_floats(Q4, att.data(), T, H * D, nullptr, 0.0f, matrix(1), x, h.data(), E, threads);
+    int8_rows_floats(Q4, h.data(), T, E, ln2, eps, matrix(2), nullptr, gate_up.data(), 2 * I, threads);
+    int8_rows_glu(Q4, gate_up.data(), T, I, matrix(3), h.data(), x, E, threads);
     if (features && slot[l] >= 0) std::memcpy(features + slot[l] * T * E, x, sizeof(float) * T * E);
   }
 }
