@@ -50,6 +50,23 @@ def test_a_rows_numbers_never_change_with_the_rows_beside_it():
     assert torch.equal(attention.runner.run([q, k, v, keys, values, positions, None])[0], together)
 
 
+@needs_kernel
+@pytest.mark.parametrize("heads, kv_heads, d", [(9, 3, 64), (32, 1, 16), (4, 4, 32), (8, 2, 256)])
+def test_query_heads_that_share_reads_of_their_kv_head_get_their_lone_numbers(heads, kv_heads, d):
+    """The kernel splits each KV head's queries (rows x its query heads) into runs that share reads
+    of its keys and values, as many as the threads and the run length allow: whatever the runs,
+    every row's numbers are its own, and the eager math's to rounding."""
+    rows = list(range(70, 86))
+    q, k, v, keys, values, positions = inputs(rows, heads=heads, kv_heads=kv_heads, d=d, capacity=128, seed=3)
+    attention = dot_attention.DotAttention()
+    want = aoti_attention.write_and_attend(q, k, v, keys.clone(), values.clone(), positions)
+    together = attention(q, k, v, keys, values, positions)
+    torch.testing.assert_close(together, want, rtol=1e-4, atol=1e-5)
+    for t in (0, 7, 15):
+        assert torch.equal(attention(q[t:t + 1], k[t:t + 1], v[t:t + 1], keys, values, positions[t:t + 1]),
+                           together[t:t + 1])
+
+
 def test_it_refuses_head_sizes_it_does_not_take_and_cpus_without_the_kernels(monkeypatch):
     monkeypatch.setattr(dot_attention, "cannot_run", lambda: None)
     assert dot_attention.refusal(FastTarget(tiny_target("llama"))) is None  # head_dim 16

@@ -401,54 +401,86 @@ inline __m512 sum_lanes16(const __m512* a) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(low, high, 0x88), _mm512_shuffle_f32x4(low, high, 0xDD));
 }
 
-// One query head over n positions of its KV head's keys and values; scores: n + 16 floats of scratch.
+// Queries beyond this many per call of attend_queries are split into more tasks.
+constexpr int64_t MOST_QUERIES = 48;
+// Positions whose values are added for every query before the next ones are read (in L1: 32 x D floats).
+constexpr int64_t VALUE_RUN = 32;
+
+// Q query heads sharing one KV head's keys and values, query i over its n[i] positions 0..n[i]-1,
+// into out[i]. Each query's numbers are what it gets alone (its sums run in the same order: 16
+// keys' dot products summed across lanes together, then the exponentials, then the values in
+// position order): the queries only share reads of the keys and values, which is what bounds
+// attention at a few rows (each query head reading its KV head's cache from L2 alone read it
+// H / KV times per row). scores: Q x stride floats (stride >= max n + 16); acc: Q x D floats.
 template <int LANES>
-void attend_head(const float* query, const float* key, const float* value, int64_t n, float* scores, float* row) {
+void attend_queries(const float* const* query, const int64_t* n, int64_t Q, const float* key, const float* value,
+                    float* scores, int64_t stride, float* acc, float* const* out) {
   constexpr int64_t D = 16 * LANES;
-  __m512 q[LANES];
-  for (int c = 0; c < LANES; ++c) q[c] = _mm512_loadu_ps(query + 16 * c);
-  __m512 largest = _mm512_set1_ps(-INFINITY);
-  for (int64_t j0 = 0; j0 < n; j0 += 16) {  // 16 keys' dot products, summed across lanes together
-    const int64_t live = n - j0 < 16 ? n - j0 : 16;
-    __m512 dots[16];
-    for (int64_t j = 0; j < 16; ++j) {
-      if (j >= live) {
-        dots[j] = _mm512_setzero_ps();
-        continue;
+  int64_t most = 0;
+  for (int64_t i = 0; i < Q; ++i) most = n[i] > most ? n[i] : most;
+  __m512 largest[MOST_QUERIES];
+  for (int64_t i = 0; i < Q; ++i) largest[i] = _mm512_set1_ps(-INFINITY);
+  for (int64_t j0 = 0; j0 < most; j0 += 16)
+    for (int64_t i = 0; i < Q; ++i) {
+      const int64_t live = n[i] - j0 < 16 ? n[i] - j0 : 16;
+      if (live <= 0) continue;
+      __m512 q[LANES];
+      for (int c = 0; c < LANES; ++c) q[c] = _mm512_loadu_ps(query[i] + 16 * c);
+      __m512 dots[16];
+      for (int64_t j = 0; j < 16; ++j) {
+        if (j >= live) {
+          dots[j] = _mm512_setzero_ps();
+          continue;
+        }
+        const float* at = key + (j0 + j) * D;
+        __m512 dot = _mm512_mul_ps(q[0], _mm512_loadu_ps(at));
+        for (int c = 1; c < LANES; ++c) dot = _mm512_fmadd_ps(q[c], _mm512_loadu_ps(at + 16 * c), dot);
+        dots[j] = dot;
       }
-      const float* at = key + (j0 + j) * D;
-      __m512 dot = _mm512_mul_ps(q[0], _mm512_loadu_ps(at));
-      for (int c = 1; c < LANES; ++c) dot = _mm512_fmadd_ps(q[c], _mm512_loadu_ps(at + 16 * c), dot);
-      dots[j] = dot;
+      const __mmask16 mask = live == 16 ? 0xFFFF : static_cast<__mmask16>((1u << live) - 1);
+      const __m512 sums = sum_lanes16(dots);
+      _mm512_storeu_ps(scores + i * stride + j0, sums);
+      largest[i] = _mm512_mask_max_ps(largest[i], mask, largest[i], sums);
     }
-    const __mmask16 mask = live == 16 ? 0xFFFF : static_cast<__mmask16>((1u << live) - 1);
-    const __m512 sums = sum_lanes16(dots);
-    _mm512_storeu_ps(scores + j0, sums);
-    largest = _mm512_mask_max_ps(largest, mask, largest, sums);
+  float inverse[MOST_QUERIES];
+  for (int64_t i = 0; i < Q; ++i) {
+    float* s = scores + i * stride;
+    const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(largest[i]));
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n[i]; j += 16) {
+      const __mmask16 live = n[i] - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n[i] - j)) - 1);
+      const __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s + j), top));
+      _mm512_mask_storeu_ps(s + j, live, e);
+      total = _mm512_mask_add_ps(total, live, total, e);
+    }
+    inverse[i] = 1.0f / _mm512_reduce_add_ps(total);
+    for (int c = 0; c < LANES; ++c) _mm512_storeu_ps(acc + i * D + 16 * c, _mm512_setzero_ps());
   }
-  const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(largest));
-  __m512 total = _mm512_setzero_ps();
-  for (int64_t j = 0; j < n; j += 16) {
-    const __mmask16 live = n - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - j)) - 1);
-    const __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, scores + j), top));
-    _mm512_mask_storeu_ps(scores + j, live, e);
-    total = _mm512_mask_add_ps(total, live, total, e);
-  }
-  __m512 sum[LANES];
-  for (int c = 0; c < LANES; ++c) sum[c] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < n; ++j) {
-    const __m512 weight = _mm512_set1_ps(scores[j]);
-    for (int c = 0; c < LANES; ++c) sum[c] = _mm512_fmadd_ps(weight, _mm512_loadu_ps(value + j * D + 16 * c), sum[c]);
-  }
-  const __m512 inverse = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));
-  for (int c = 0; c < LANES; ++c) _mm512_storeu_ps(row + 16 * c, _mm512_mul_ps(sum[c], inverse));
+  for (int64_t j0 = 0; j0 < most; j0 += VALUE_RUN)
+    for (int64_t i = 0; i < Q; ++i) {
+      const int64_t end = n[i] < j0 + VALUE_RUN ? n[i] : j0 + VALUE_RUN;
+      if (end <= j0) continue;
+      const float* s = scores + i * stride;
+      __m512 sum[LANES];
+      for (int c = 0; c < LANES; ++c) sum[c] = _mm512_loadu_ps(acc + i * D + 16 * c);
+      for (int64_t j = j0; j < end; ++j) {
+        const __m512 weight = _mm512_set1_ps(s[j]);
+        for (int c = 0; c < LANES; ++c) sum[c] = _mm512_fmadd_ps(weight, _mm512_loadu_ps(value + j * D + 16 * c), sum[c]);
+      }
+      for (int c = 0; c < LANES; ++c) _mm512_storeu_ps(acc + i * D + 16 * c, sum[c]);
+    }
+  for (int64_t i = 0; i < Q; ++i)
+    for (int c = 0; c < LANES; ++c)
+      _mm512_storeu_ps(out[i] + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(acc + i * D + 16 * c), _mm512_set1_ps(inverse[i])));
 }
 
-using HeadFn = void (*)(const float*, const float*, const float*, int64_t, float*, float*);
-constexpr HeadFn BY_LANES[17] = {nullptr,         attend_head<1>,  attend_head<2>,  attend_head<3>,  attend_head<4>,
-                                 attend_head<5>,  attend_head<6>,  attend_head<7>,  attend_head<8>,  attend_head<9>,
-                                 attend_head<10>, attend_head<11>, attend_head<12>, attend_head<13>, attend_head<14>,
-                                 attend_head<15>, attend_head<16>};
+using QueriesFn = void (*)(const float* const*, const int64_t*, int64_t, const float*, const float*, float*, int64_t,
+                           float*, float* const*);
+constexpr QueriesFn BY_LANES[17] = {nullptr,
+                                    attend_queries<1>,  attend_queries<2>,  attend_queries<3>,  attend_queries<4>,
+                                    attend_queries<5>,  attend_queries<6>,  attend_queries<7>,  attend_queries<8>,
+                                    attend_queries<9>,  attend_queries<10>, attend_queries<11>, attend_queries<12>,
+                                    attend_queries<13>, attend_queries<14>, attend_queries<15>, attend_queries<16>};
 
 }  // namespace
 
@@ -460,16 +492,36 @@ extern "C" void write_and_attend(const float* q, const float* k, const float* v,
       std::memcpy(keys + (g * C + rows[t]) * D, k + (t * KV + g) * D, sizeof(float) * D);
       std::memcpy(values + (g * C + rows[t]) * D, v + (t * KV + g) * D, sizeof(float) * D);
     }
-  const int64_t group = H / KV;
-  const HeadFn head = BY_LANES[D / 16];
+  // Each KV head's queries (row-major over rows, then its query heads) in ``parts`` runs: enough
+  // runs for every thread to have two, none longer than MOST_QUERIES.
+  const int64_t group = H / KV, per_head = T * group;
+  int64_t parts = (2 * threads + KV - 1) / KV;
+  const int64_t at_least = (per_head + MOST_QUERIES - 1) / MOST_QUERIES;
+  parts = parts < at_least ? at_least : parts;
+  parts = parts > per_head ? per_head : parts;
+  const QueriesFn attend = BY_LANES[D / 16];
+  int64_t most = 0;
+  for (int64_t t = 0; t < T; ++t) most = rows[t] + 1 > most ? rows[t] + 1 : most;
+  const int64_t stride = most + 16;
 #pragma omp parallel num_threads(threads)
   {
-    std::vector<float> scores;
+    thread_local std::vector<float> scores, acc;
+    scores.resize(MOST_QUERIES * stride);
+    acc.resize(MOST_QUERIES * D);
+    const float* query[MOST_QUERIES];
+    float* into[MOST_QUERIES];
+    int64_t n[MOST_QUERIES];
 #pragma omp for schedule(static)
-    for (int64_t task = 0; task < T * H; ++task) {
-      const int64_t t = task / H, h = task % H, g = h / group, n = rows[t] + 1;
-      scores.resize(n + 16);
-      head(q + (t * H + h) * D, keys + g * C * D, values + g * C * D, n, scores.data(), out + (t * H + h) * D);
+    for (int64_t task = 0; task < KV * parts; ++task) {
+      const int64_t g = task / parts, part = task % parts;
+      const int64_t first = part * per_head / parts, last = (part + 1) * per_head / parts;
+      for (int64_t i = first; i < last; ++i) {
+        const int64_t t = i / group, h = g * group + i % group;
+        query[i - first] = q + (t * H + h) * D;
+        into[i - first] = out + (t * H + h) * D;
+        n[i - first] = rows[t] + 1;
+      }
+      attend(query, n, last - first, keys + g * C * D, values + g * C * D, scores.data(), stride, acc.data(), into);
     }
   }
 }
