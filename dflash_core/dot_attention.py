@@ -8,7 +8,7 @@ at 16; ``scripts/pass_parts.py``), mostly the calls' own cost at so few rows. ``
 head) over exactly its own positions 0..p in AVX-512 dot products: no padding to a span, no mask,
 one call. The query heads that share a KV head, over several rows, are attended together: they
 share the reads of its keys and values, which at a few rows bound the kernel more than its
-arithmetic (``scripts/attention_ab.py``).
+arithmetic (``scripts/csrc_ab.py``).
 
 Each (row, head) is summed alone, in an order set by its position only, so a row's numbers never
 depend on the rows beside it in a call, and a draft tree's paths (``tree_attention``) get the
