@@ -411,6 +411,7 @@ class DrafterCache:
         self.track = list(track_positions) if track_positions is not None else [w is not None for w in self.windows]
         self.seen = [0] * num_layers  # context positions appended so far, dropped ones included
         self.floor = [None] * num_layers  # lowest query position served since keys were dropped
+        self.buffers = None  # q8_drafter.FusedDrafterPass's (keys, values) buffers, of which keys / values are views
 
     @property
     def length(self) -> int:
@@ -637,6 +638,7 @@ class DFlashDrafter(nn.Module):
         self._head_cache: tuple | None = None
         self._packed = False  # see pack_for_inference
         self._head_kernel = None  # weight -> linear for the draft head's rows (see set_head_kernel)
+        self.fused_pass = None  # q8_drafter.FusedDrafterPass: a decode pass's layers in one call
 
     def set_draft_vocab(self, token_ids: torch.Tensor | None) -> None:
         if token_ids is not None:
@@ -710,6 +712,10 @@ class DFlashDrafter(nn.Module):
         x = noise_embedding * self.config.input_embedding_scale if self.config.input_embedding_scale != 1.0 else noise_embedding
         block_pos = block_positions if block_positions.dim() == 2 else block_positions[None]
         rope_block = self.rotary(block_pos, dtype)
+        fused = self.fused_pass
+        if fused is not None and block_positions.dim() == 1 and fused.handles(x, context_features, mask, cache):
+            ctx_pos = context_positions if context_positions.dim() == 2 else context_positions[None]
+            return fused(x, context_features, rope_block, self.rotary(ctx_pos, dtype), cache)
         context = rope_context = ctx_pos = None
         if context_features is not None and context_features.shape[-2] > 0:
             context = self.fuse(context_features.to(dtype))

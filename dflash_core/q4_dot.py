@@ -44,8 +44,10 @@ def library():
     lib.write_and_attend.argtypes = [pointer] * 6 + [size] * 5 + [pointer, ctypes.c_int]  # dot_attention
     lib.w4a8_pass.argtypes = ([pointer, size, pointer] + [size] * 6 + [pointer] * 5 + [size] * 2 +  # q4_layers.FusedPass
                               [ctypes.c_float, pointer, pointer, pointer, size, size, pointer, pointer, ctypes.c_int])
+    lib.q8_drafter_pass.argtypes = ([pointer, size, pointer, pointer, size, pointer, size, size, pointer, pointer,
+                                     pointer] + [size] * 5 + [pointer] * 6 + [size] * 3 + [ctypes.c_int])  # q8_drafter
     for function in (lib.q4_dot, lib.q4_dot_floats, lib.q4_dot_glu, lib.rope_split, lib.int8_rows_floats,
-                     lib.int8_rows_glu, lib.write_and_attend, lib.w4a8_pass):
+                     lib.int8_rows_glu, lib.write_and_attend, lib.w4a8_pass, lib.q8_drafter_pass):
         function.restype = None
     return lib
 

@@ -23,9 +23,10 @@ import torch
 import torch.nn.functional as F
 
 from .aoti_drafter import W8A8_TOLERANCE, CompiledDrafterLayer, probe_layer
+from .aoti_layers import close_to_rounding
 from .int8_rows import Q8Q8DotWeight, refusal
 from .kernels import PackedModuleForward
-from .q4_dot import rope_split
+from .q4_dot import library, rope_split
 from .weight_formats import QuantizedLinear, quantize_q8
 
 
@@ -72,6 +73,119 @@ class Q8DrafterLayer(CompiledDrafterLayer):
         return mlp.to(x.dtype)[None]
 
 
+# How far the one-call pass may stray from the layer-by-layer one: the same products on the same
+# int8 rows, only attention's and the norms' sums rounded their own way (about 2e-7 relative on the
+# tests' drafters), except where that tips a row's rounding to int8 (2 passes of 72 in the tests,
+# 0.15% and 0.8%); a misplaced constant is off by about the results' own size.
+FUSED_TOLERANCE = 2e-2
+
+
+class FusedDrafterPass:
+    """A drafter's whole decode pass in one C++ call (``csrc/q4_dot.cpp``'s ``q8_drafter_pass``):
+    the context's ``fc`` and ``hidden_norm``, every layer as ``Q8DrafterLayer`` computes it, the
+    final norm, without the Python, ctypes and PyTorch ops between them (a few dozen a cycle). Its
+    context keys and values live in buffers it keeps beside the cache's lists, (kv_heads, capacity,
+    D) per layer, the block's written after the context each pass and overwritten by the next
+    context; the cache's ``keys`` / ``values`` are views of them, so an eager call after a fused
+    one finds them, and a fused call after an eager one copies what the eager call added."""
+
+    def __init__(self, drafter) -> None:
+        layers = [layer.compiled for layer in drafter.layers]
+        self.drafter = drafter
+        self.fc = q8_matrix(drafter.fc.weight)
+        first = layers[0]
+        self.heads, self.kv_heads = first.heads
+        self.head_dim = first.layer.self_attn.head_dim
+        self.hidden, self.intermediate = drafter.fc.out_features, first.down.shape[1]
+        table, eps = [], []
+        for fast in layers:
+            table += [fast.qkv.packed.data_ptr(), fast.o.packed.data_ptr(), fast.gate_up.packed.data_ptr(),
+                      fast.down.packed.data_ptr(), fast.ln1.data_ptr(), fast.ln2.data_ptr(), fast.q_norm.data_ptr(),
+                      fast.k_norm.data_ptr()]
+            eps += [fast.eps1, fast.eps2, fast.qk_eps]
+        self.hidden_norm = drafter.hidden_norm.weight.detach().float().contiguous()
+        self.norm = drafter.norm.weight.detach().float().contiguous()
+        eps += [float(drafter.hidden_norm.eps), float(drafter.norm.eps)]
+        self.table = torch.tensor(table, dtype=torch.int64)
+        self.eps = torch.tensor(eps, dtype=torch.float32)
+        self.layers = layers
+        self._params = list(drafter.parameters())
+        self._source = self._state()
+        self._kernel = library().q8_drafter_pass
+
+    def _state(self) -> list:
+        return [(p.data_ptr(), p._version) for p in self._params]
+
+    def handles(self, x: torch.Tensor, features: torch.Tensor | None, mask, cache) -> bool:
+        """Whether this call is a decode pass it serves (else the layers run one by one)."""
+        return (x.shape[0] == 1 and features is not None and features.shape[0] == 1 and features.shape[1] > 0
+                and mask is None and cache is not None and x.dtype == torch.float32 and self._state() == self._source)
+
+    def _buffers(self, cache, needed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cache's buffers, holding what its lists hold and room for ``needed`` positions."""
+        held = cache.buffers
+        seen = cache.seen[0]
+        if held is not None and held[0].shape[2] >= needed and all(
+                (seen == 0 and key is None) or (key is not None and key.data_ptr() == held[0][i].data_ptr()
+                                                 and key.shape[2] == seen)
+                for i, key in enumerate(cache.keys)):
+            return held
+        shape = (len(self.layers), self.kv_heads, max(2 * needed, 256), self.head_dim)
+        keys, values = torch.empty(shape), torch.empty(shape)
+        for i, (key, value) in enumerate(zip(cache.keys, cache.values)):
+            if key is not None:
+                keys[i, :, :key.shape[2]] = key[0]
+                values[i, :, :value.shape[2]] = value[0]
+        cache.buffers = (keys, values)
+        return keys, values
+
+    def __call__(self, x: torch.Tensor, features: torch.Tensor, rope_block, rope_context, cache) -> torch.Tensor:
+        """``DFlashDrafter.forward``'s result for a decode pass: ``x`` (1, Q, H) the block's input,
+        ``features`` (1, C, F) the target features not yet seen, the rotary tables of both."""
+        rows = x[0].float().contiguous().clone()  # replaced by the pass's output
+        context = features[0].float().contiguous()
+        q, c = rows.shape[0], context.shape[0]
+        seen = cache.seen[0]
+        keys, values = self._buffers(cache, seen + c + q)
+        (cos, sin), (context_cos, context_sin) = ((t[0].float().contiguous() for t in table)
+                                                  for table in (rope_block, rope_context))
+        self._kernel(self.table.data_ptr(), len(self.layers), self.eps.data_ptr(), rows.data_ptr(), q,
+                     context.data_ptr(), c, context.shape[1], self.fc.packed.data_ptr(), self.hidden_norm.data_ptr(),
+                     self.norm.data_ptr(), self.hidden, self.heads, self.kv_heads, self.head_dim, self.intermediate,
+                     cos.data_ptr(), sin.data_ptr(), context_cos.data_ptr(), context_sin.data_ptr(), keys.data_ptr(),
+                     values.data_ptr(), keys.stride(0), keys.shape[2], seen, torch.get_num_threads())
+        for i in range(len(self.layers)):
+            cache.keys[i], cache.values[i] = keys[i, :, :seen + c][None], values[i, :, :seen + c][None]
+            cache.seen[i] += c
+        return rows.to(x.dtype)[None]
+
+
+def fused_drafter_pass(drafter) -> FusedDrafterPass | None:
+    """``FusedDrafterPass`` for ``drafter`` where every layer runs as ``Q8DrafterLayer`` and a
+    probe finds its passes the layer-by-layer ones to rounding: two decode passes on random rows
+    and features (the prompt's context, then a cycle's), each way on its own cache."""
+    if not drafter.layers or not all(isinstance(layer.compiled, Q8DrafterLayer) for layer in drafter.layers):
+        return None
+    fused = FusedDrafterPass(drafter)
+    generator = torch.Generator().manual_seed(0)
+    hidden, width = drafter.fc.out_features, drafter.fc.in_features
+    caches = drafter.new_cache(), drafter.new_cache()
+    with torch.inference_mode():
+        for context_rows, first in ((20, 0), (3, 20)):
+            x = torch.randn(1, 16, hidden, generator=generator)
+            features = torch.randn(1, context_rows, width, generator=generator)
+            block_pos, ctx_pos = torch.arange(first + context_rows - 1, first + context_rows + 15), \
+                torch.arange(first, first + context_rows)
+            drafter.fused_pass = None
+            want = drafter(x, block_pos, features, ctx_pos, cache=caches[0])
+            drafter.fused_pass = fused
+            got = drafter(x, block_pos, features, ctx_pos, cache=caches[1])
+            drafter.fused_pass = None
+            if not close_to_rounding(got, want, "w8a8", FUSED_TOLERANCE):
+                return None
+    return fused
+
+
 def int8_rows_drafter(drafter) -> str:
     """``drafter``'s matrices (its layers', its fc and the draft head's rows) Q8_0 with int8 rows,
     its layers' decode passes as ``Q8DrafterLayer`` where the probe passes; a note for the load log.
@@ -98,5 +212,7 @@ def int8_rows_drafter(drafter) -> str:
                     f"(layer {i}'s fused pass is not the eager one)")
         layer.compiled = fast
         done += 1
-    return (f"Q8_0 matrices with int8 rows (VNNI) for {len(linears)} matrices and the draft head; {done} of "
-            f"{len(drafter.layers)} layers' decode passes in a few fused calls")
+    drafter.fused_pass = fused_drafter_pass(drafter)
+    how = "the whole decode pass in one C++ call" if drafter.fused_pass else (
+        f"{done} of {len(drafter.layers)} layers' decode passes in a few fused calls")
+    return f"Q8_0 matrices with int8 rows (VNNI) for {len(linears)} matrices and the draft head; {how}"

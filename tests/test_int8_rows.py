@@ -212,9 +212,10 @@ def test_the_drafter_beside_a_w4a8_target_runs_q8_0_with_int8_rows_and_keeps_the
     drafter = tiny_drafter(model, layers=2)
     eager = copy.deepcopy(drafter)
     note = q8_drafter.int8_rows_drafter(drafter)
-    assert note == ("Q8_0 matrices with int8 rows (VNNI) for 15 matrices and the draft head; 2 of 2 layers' decode "
-                    "passes in a few fused calls")
+    assert note == ("Q8_0 matrices with int8 rows (VNNI) for 15 matrices and the draft head; the whole decode pass "
+                    "in one C++ call")
     assert all(isinstance(layer.compiled, q8_drafter.Q8DrafterLayer) for layer in drafter.layers)
+    assert isinstance(drafter.fused_pass, q8_drafter.FusedDrafterPass)
     agree = total = 0
     for prompt in PROMPTS:
         ar = collect(stream(runner, None, prompt, GenerationConfig(max_new_tokens=40, block_size=1).validated(16)))
@@ -230,6 +231,63 @@ def test_the_drafter_beside_a_w4a8_target_runs_q8_0_with_int8_rows_and_keeps_the
     wrong.gate_up = q8_drafter.q8_matrix(torch.cat((layer.mlp.up_proj.weight, layer.mlp.gate_proj.weight)))
     assert not q8_drafter.probe_layer(layer, wrong, "w8a8", q8_drafter.W8A8_TOLERANCE)
     assert q8_drafter.probe_layer(layer, q8_drafter.Q8DrafterLayer(layer), "w8a8", q8_drafter.W8A8_TOLERANCE)
+
+
+def drafter_calls(drafter, cycles: list[tuple[int, int]], seed: int = 0, fused_at=lambda i: True) -> list:
+    """A decode run's drafter calls on random rows and features, one cache: per cycle (new context
+    rows, block size), the block after the context; ``fused_at(i)``: whether call i may be fused."""
+    generator = torch.Generator().manual_seed(seed)
+    hidden, width = drafter.fc.out_features, drafter.fc.in_features
+    fused, cache, seen, out = drafter.fused_pass, drafter.new_cache(), 0, []
+    with torch.inference_mode():
+        for i, (context_rows, size) in enumerate(cycles):
+            x = torch.randn(1, size, hidden, generator=generator)
+            features = torch.randn(1, context_rows, width, generator=generator)
+            drafter.fused_pass = fused if fused_at(i) else None
+            out.append(drafter(x, torch.arange(seen + context_rows - 1, seen + context_rows - 1 + size), features,
+                               torch.arange(seen, seen + context_rows), cache=cache))
+            seen += context_rows
+    drafter.fused_pass = fused
+    return out
+
+
+@needs_kernels
+def test_the_drafters_one_call_pass_is_its_layers_passes_whatever_came_before_it():
+    """The fused pass gives the layer-by-layer pass's hidden states to rounding on every cycle of a
+    run, its buffers growing past their first size (300 positions), and when the cycles before it
+    ran layer by layer, or it ran before them: each way sees the same cache."""
+    drafter = tiny_drafter(two_shape_llama(), layers=2)
+    assert "one C++ call" in q8_drafter.int8_rows_drafter(drafter)
+    cycles = [(40, 8)] + [(n % 5 + 1, 8) for n in range(70)] + [(3, 4)]
+    layer_by_layer = drafter_calls(drafter, cycles, fused_at=lambda i: False)
+    for fused_at in (lambda i: True, lambda i: i % 3 != 1, lambda i: i > 60):
+        errors = [float((got - want).norm() / want.norm())
+                  for got, want in zip(drafter_calls(drafter, cycles, fused_at=fused_at), layer_by_layer)]
+        assert max(errors) <= q8_drafter.FUSED_TOLERANCE
+        assert sum(e < 1e-5 for e in errors) >= 0.9 * len(errors)  # mostly only the sums' own rounding
+    # Changed weights: the pass steps aside (the layers then step aside too, for the eager ones).
+    fused = drafter.fused_pass
+    x = torch.randn(1, 8, drafter.fc.out_features)
+    assert fused.handles(x, torch.randn(1, 3, drafter.fc.in_features), None, drafter.new_cache())
+    with torch.no_grad():
+        drafter.norm.weight.add_(1.0)
+    assert not fused.handles(x, torch.randn(1, 3, drafter.fc.in_features), None, drafter.new_cache())
+
+
+@needs_kernels
+def test_the_probe_refuses_a_one_call_pass_whose_numbers_are_not_the_layers(monkeypatch):
+    drafter = tiny_drafter(two_shape_llama(), layers=2)
+    q8_drafter.int8_rows_drafter(drafter)
+    assert q8_drafter.fused_drafter_pass(drafter) is not None
+    original = q8_drafter.FusedDrafterPass.__init__
+
+    def swapped_norms(self, drafter):  # the final norm's weights where the context's belong
+        original(self, drafter)
+        self.hidden_norm, self.norm = self.norm, self.hidden_norm
+    monkeypatch.setattr(q8_drafter.FusedDrafterPass, "__init__", swapped_norms)
+    with torch.no_grad():
+        drafter.norm.weight.mul_(torch.linspace(0.2, 3.0, drafter.norm.weight.numel()))
+    assert q8_drafter.fused_drafter_pass(drafter) is None
 
 
 def test_the_drafter_stays_as_loaded_where_int8_rows_cannot_run(monkeypatch):

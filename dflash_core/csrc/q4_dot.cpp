@@ -489,16 +489,10 @@ constexpr QueriesFn BY_LANES[17] = {nullptr,
                                     attend_queries<9>,  attend_queries<10>, attend_queries<11>, attend_queries<12>,
                                     attend_queries<13>, attend_queries<14>, attend_queries<15>, attend_queries<16>};
 
-}  // namespace
-
-extern "C" void write_and_attend(const float* q, const float* k, const float* v, float* keys, float* values,
-                                 const int64_t* rows, int64_t T, int64_t H, int64_t KV, int64_t D, int64_t C,
-                                 float* out, int threads) {
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t g = 0; g < KV; ++g) {
-      std::memcpy(keys + (g * C + rows[t]) * D, k + (t * KV + g) * D, sizeof(float) * D);
-      std::memcpy(values + (g * C + rows[t]) * D, v + (t * KV + g) * D, sizeof(float) * D);
-    }
+// Each row t's query heads (q (T, H, D)) over its n[t] positions 0..n[t]-1 of the cache keys,
+// values (KV, C, D) into out (T, H * D).
+void attend_rows(const float* q, const int64_t* n, int64_t T, int64_t H, int64_t KV, int64_t D, int64_t C,
+                 const float* keys, const float* values, float* out, int threads) {
   // Each KV head's queries (row-major over rows, then its query heads) in ``parts`` runs: enough
   // runs for every thread to have two, none longer than MOST_QUERIES.
   const int64_t group = H / KV, per_head = T * group;
@@ -508,7 +502,7 @@ extern "C" void write_and_attend(const float* q, const float* k, const float* v,
   parts = parts > per_head ? per_head : parts;
   const QueriesFn attend = BY_LANES[D / 16];
   int64_t most = 0;
-  for (int64_t t = 0; t < T; ++t) most = rows[t] + 1 > most ? rows[t] + 1 : most;
+  for (int64_t t = 0; t < T; ++t) most = n[t] > most ? n[t] : most;
   const int64_t stride = most + 16;
 #pragma omp parallel num_threads(threads)
   {
@@ -517,7 +511,7 @@ extern "C" void write_and_attend(const float* q, const float* k, const float* v,
     acc.resize(MOST_QUERIES * D);
     const float* query[MOST_QUERIES];
     float* into[MOST_QUERIES];
-    int64_t n[MOST_QUERIES];
+    int64_t lengths[MOST_QUERIES];
 #pragma omp for schedule(static)
     for (int64_t task = 0; task < KV * parts; ++task) {
       const int64_t g = task / parts, part = task % parts;
@@ -526,11 +520,33 @@ extern "C" void write_and_attend(const float* q, const float* k, const float* v,
         const int64_t t = i / group, h = g * group + i % group;
         query[i - first] = q + (t * H + h) * D;
         into[i - first] = out + (t * H + h) * D;
-        n[i - first] = rows[t] + 1;
+        lengths[i - first] = n[t];
       }
-      attend(query, n, last - first, keys + g * C * D, values + g * C * D, scores.data(), stride, acc.data(), into);
+      attend(query, lengths, last - first, keys + g * C * D, values + g * C * D, scores.data(), stride, acc.data(),
+             into);
     }
   }
+}
+
+// Row t's keys and values k, v (T, KV, D) into the cache keys, values (KV, C, D) at position rows[t].
+void write_rows(const float* k, const float* v, float* keys, float* values, const int64_t* rows, int64_t T,
+                int64_t KV, int64_t D, int64_t C) {
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t g = 0; g < KV; ++g) {
+      std::memcpy(keys + (g * C + rows[t]) * D, k + (t * KV + g) * D, sizeof(float) * D);
+      std::memcpy(values + (g * C + rows[t]) * D, v + (t * KV + g) * D, sizeof(float) * D);
+    }
+}
+
+}  // namespace
+
+extern "C" void write_and_attend(const float* q, const float* k, const float* v, float* keys, float* values,
+                                 const int64_t* rows, int64_t T, int64_t H, int64_t KV, int64_t D, int64_t C,
+                                 float* out, int threads) {
+  write_rows(k, v, keys, values, rows, T, KV, D, C);
+  std::vector<int64_t> n(T);
+  for (int64_t t = 0; t < T; ++t) n[t] = rows[t] + 1;
+  attend_rows(q, n.data(), T, H, KV, D, C, keys, values, out, threads);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -584,4 +600,63 @@ extern "C" void w4a8_pass(const int64_t* layers, int64_t L, float* x, int64_t T,
     int8_rows_glu(Q4, gate_up.data(), T, I, matrix(3), h.data(), x, E, threads);
     if (features && slot[l] >= 0) std::memcpy(features + slot[l] * T * E, x, sizeof(float) * T * E);
   }
+}
+
+// ---------------------------------------------------------------------------------------------
+// A drafter's decode pass in one call (q8_drafter.FusedDrafterPass), every matrix Q8_0 with int8
+// rows, as Q8DrafterLayer computes it from Python:
+//   c = hidden_norm(fc(features))                      the C new context rows (C, E)
+//   per layer:  q, k, v   = rope_split(Q8(x normed by ln1))      the block's Q rows, per-head norms
+//               _, kc, vc = rope_split(Q8(c))                    the context's (not normed), rotate_half
+//               kc, vc written at slots seen..seen+C-1 of the layer's cache, k, v after them;
+//               every block row's query heads (scaled by 1 / sqrt(D)) over all seen + C + Q positions (the block sees
+//               itself whole); x = x + Q8(att); x = x + Q8(SiLU(gate) * up) of Q8(x normed by ln2)
+//   x = norm(x)
+// ``layers``: per layer 8 addresses: the packed QKV, O, gate/up and down matrices, then ln1, ln2,
+// q_norm and k_norm; ``eps``: per layer ln1's, ln2's and the per-head norms', then hidden_norm's
+// and norm's. x (Q, E) is the block's input, replaced by the pass's output. cos / sin: (Q, D) for
+// the block, (C, D) for the context. keys / values: layer l's (KV, capacity, D) at l * layer_stride.
+extern "C" void q8_drafter_pass(const int64_t* layers, int64_t L, const float* eps, float* x, int64_t Q,
+                                const float* features, int64_t C, int64_t F, const uint8_t* fc, const float* hidden_norm,
+                                const float* final_norm, int64_t E, int64_t H, int64_t KV, int64_t D, int64_t I,
+                                const float* cos, const float* sin, const float* context_cos, const float* context_sin,
+                                float* keys, float* values, int64_t layer_stride, int64_t capacity, int64_t seen,
+                                int threads) {
+  const int64_t width = (H + 2 * KV) * D;
+  std::vector<float> context(C * E), qkv(Q * width), qkv_context(C * width), q(Q * H * D), k(Q * KV * D),
+      v(Q * KV * D), q_unused(C * H * D), kc(C * KV * D), vc(C * KV * D), att(Q * H * D), h(Q * E),
+      gate_up(Q * 2 * I);
+  const auto norm_rows = [](float* rows, int64_t M, int64_t K, const float* weight, float epsilon) {
+    for (int64_t m = 0; m < M; ++m) {
+      float* row = rows + m * K;
+      const float scale = rms_scale(row, K, epsilon);
+      for (int64_t i = 0; i < K; ++i) row[i] = weight[i] * (row[i] * scale);
+    }
+  };
+  int8_rows_floats(Q8, features, C, F, nullptr, 0.0f, fc, nullptr, context.data(), E, threads);
+  norm_rows(context.data(), C, E, hidden_norm, eps[3 * L]);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));  // scaled_dot_product_attention's
+  std::vector<int64_t> slots(C + Q), lengths(Q, seen + C + Q);
+  for (int64_t i = 0; i < C + Q; ++i) slots[i] = seen + i;
+  for (int64_t l = 0; l < L; ++l) {
+    const int64_t* w = layers + 8 * l;
+    const auto matrix = [&](int i) { return reinterpret_cast<const uint8_t*>(w[i]); };
+    const auto vector = [&](int i) { return reinterpret_cast<const float*>(w[i]); };
+    const float* layer_eps = eps + 3 * l;
+    float* layer_keys = keys + l * layer_stride;
+    float* layer_values = values + l * layer_stride;
+    int8_rows_floats(Q8, x, Q, E, vector(4), layer_eps[0], matrix(0), nullptr, qkv.data(), width, threads);
+    int8_rows_floats(Q8, context.data(), C, E, nullptr, 0.0f, matrix(0), nullptr, qkv_context.data(), width, threads);
+    rope_split(qkv.data(), Q, H, KV, D, cos, sin, 1, vector(6), vector(7), layer_eps[2], 1, q.data(), k.data(), v.data());
+    rope_split(qkv_context.data(), C, H, KV, D, context_cos, context_sin, 1, vector(6), vector(7), layer_eps[2], 1,
+               q_unused.data(), kc.data(), vc.data());
+    for (float& value : q) value *= scale;  // attend_rows takes its queries scaled
+    write_rows(kc.data(), vc.data(), layer_keys, layer_values, slots.data(), C, KV, D, capacity);
+    write_rows(k.data(), v.data(), layer_keys, layer_values, slots.data() + C, Q, KV, D, capacity);
+    attend_rows(q.data(), lengths.data(), Q, H, KV, D, capacity, layer_keys, layer_values, att.data(), threads);
+    int8_rows_floats(Q8, att.data(), Q, H * D, nullptr, 0.0f, matrix(1), x, h.data(), E, threads);
+    int8_rows_floats(Q8, h.data(), Q, E, vector(5), layer_eps[1], matrix(2), nullptr, gate_up.data(), 2 * I, threads);
+    int8_rows_glu(Q8, gate_up.data(), Q, I, matrix(3), h.data(), x, E, threads);
+  }
+  norm_rows(x, Q, E, final_norm, eps[3 * L + 1]);
 }
