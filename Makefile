@@ -105,17 +105,17 @@ bench: setup peers
 	  --methods dflash,dflash_adaptive,dflash_tree,dflash_tree_adaptive,dflash_lookup_adaptive,dflash_tree_lookup_adaptive,ar,hf_generate,prompt_lookup,hf_dflash,llama_cpp \
 	  --out runs/bench/humaneval-b16
 
-# The quantized SmolLM2 pairs beside the default (bf16) one, each with AR, plain DFlash, the fastest
-# variant and llama.cpp interleaved: w4a8 (the GGUF as llama.cpp computes it), int4 (its own Q4_1 weights
-# with bf16 rows), int8 and w8a8.
+# The other SmolLM2 pairs beside the default (w4a8: the GGUF as llama.cpp computes it), each with AR,
+# plain DFlash, the fastest variant and llama.cpp interleaved: bf16 (the default's otherwise), int4 (the
+# file's Q4_1 weights with bf16 rows), int8 and w8a8.
 PAIR_METHODS := --prompts humaneval --limit 20 --block-size 16 --methods ar,dflash,dflash_tree_lookup_adaptive,llama_cpp
 define PEER_PAIRS
-$(BENCH) --pair smollm2-135m-w4a8 $(PAIR_METHODS) --out runs/bench/w4a8-humaneval-b16
+$(BENCH) --pair smollm2-135m $(PAIR_METHODS) --out runs/bench/bf16-humaneval-b16
 	$(BENCH) --pair smollm2-135m-int4 $(PAIR_METHODS) --out runs/bench/int4-humaneval-b16
 	$(BENCH) --pair smollm2-135m-int8 $(PAIR_METHODS) --out runs/bench/int8-humaneval-b16
 	$(BENCH) --pair smollm2-135m-w8a8 $(PAIR_METHODS) --out runs/bench/w8a8-humaneval-b16
 endef
-PEER_RUNS := runs/bench/w4a8-humaneval-b16 runs/bench/int4-humaneval-b16 runs/bench/int8-humaneval-b16 runs/bench/w8a8-humaneval-b16
+PEER_RUNS := runs/bench/bf16-humaneval-b16 runs/bench/int4-humaneval-b16 runs/bench/int8-humaneval-b16 runs/bench/w8a8-humaneval-b16
 
 # Every run behind docs/BENCHMARKS.md (about 85 minutes on 2 cores), then the page itself.
 BENCH := $(PY) -m dflash_core bench --max-new-tokens 256
@@ -130,7 +130,7 @@ benchmarks: bench
 	  runs/bench/humaneval-t0.7 runs/bench/humaneval-t1.0 $(PEER_RUNS) \
 	  --drafter assets/drafters/smollm2-135m-dflash --notes docs/benchmark-notes.md --out docs/BENCHMARKS.md
 
-# Issue 18's runs (the default pair's `make bench`, the int4, int8 and w8a8 pairs', about 45 minutes
+# Issue 18's runs (the default pair's `make bench`, the bf16, int4, int8 and w8a8 pairs', about 50 minutes
 # on 2 cores) on their own page: docs/BENCHMARKS-AMD.md was written so on an AMD EPYC.
 BARS_PAGE ?= docs/BENCHMARKS-AMD.md
 BARS_NOTES ?= docs/benchmark-notes-amd.md

@@ -374,9 +374,25 @@ class LoadedPair:
     drafter: DFlashDrafter
 
 
+def kernels_refusal(pair: ModelPair) -> str | None:
+    """Why this CPU cannot run ``pair``'s weights format's own kernels (None where it can, or where
+    the format has none of its own): w4a8's int8 rows need AVX512-VNNI and AVX512-BF16."""
+    if pair.target_device != "cpu" or pair.weights != "w4a8":
+        return None
+    from .int8_rows import refusal
+
+    return refusal()
+
+
 def load_pair(pair: ModelPair, progress: Progress | None = None) -> LoadedPair:
-    """Both models of ``pair``; the ``LoadedPair``'s ``pair`` names the dtype they run in (``auto``
-    resolved for this machine, so the bench, the calibration cache and ``describe`` report it)."""
+    """Both models of ``pair``, or of ``pair.otherwise`` where this CPU cannot run ``pair``'s
+    weights' kernels (``kernels_refusal``; the load log says so); the ``LoadedPair``'s ``pair`` is
+    the pair loaded, with the dtype they run in (``auto`` resolved for this machine, so the bench,
+    the calibration cache and ``describe`` report it)."""
+    if pair.otherwise is not None and (why := kernels_refusal(pair)):
+        _say(progress, f"{pair.name}: {why}, which its weights ({pair.weights}) need; loading {pair.otherwise.name} "
+                       "instead (its 'otherwise')")
+        return load_pair(pair.otherwise, progress)
     pair = replace(pair, dtype=resolve_dtype(pair.dtype, pair.target_device))
     target = load_target(pair.target, pair.dtype, pair.target_device, pair.quantization, pair.engine, progress,
                          weights=pair.weights, kernels=pair.kernels)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import importlib.resources
 import os
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -54,6 +54,8 @@ PAIR_KEYS = {
     "enable_thinking": "true | false: the chat template's thinking switch (default: the template's own); "
                        "set it to what the drafter was trained with",
     "gpu_memory_gb": "number > 0: GPU memory the pair needs, in GiB (target + drafter weights and working memory)",
+    "otherwise": "NAME of another pair, loaded instead where this CPU cannot run this pair's weights' kernels "
+                 "(so a machine without them runs that pair as it is, rather than this one's slower fallbacks)",
 }
 SOURCE_KEYS = {"hub", "revision", "path", "package", "gguf_file", "random", "layers", "seed"}
 ENGINES = ("auto", "fast", "hf")
@@ -99,6 +101,9 @@ class ModelPair:
     gpu_memory_gb: float | None = None  # what the pair needs on the GPU(s), for refusing where it cannot fit
     weights: str = "bf16"  # WEIGHT_FORMATS: the fast engine's weight-only kernels for the target's layers
     kernels: str = "onednn"  # KERNELS: the fast engine's kernels for the target's full-precision matrices
+    # The pair loaded instead where this CPU cannot run ``weights``' kernels (loading.kernels_refusal):
+    # the default pair's weights fall back to a pair that needs no kernel builds on such a machine.
+    otherwise: "ModelPair | None" = None
 
     @property
     def needs_cuda(self) -> bool:
@@ -161,6 +166,16 @@ def parse_registry(data: dict[str, Any], file: Path) -> Registry:
     if not isinstance(pairs_data, dict) or not pairs_data:
         raise RegistryError(f"{file}: needs at least one [pairs.NAME] table")
     pairs = {name: _parse_pair(name, entry, file) for name, entry in pairs_data.items()}
+    for name, entry in pairs_data.items():
+        other = entry.get("otherwise")
+        if other is None:
+            continue
+        where = f"{file} [pairs.{name}]: otherwise = {other!r}"
+        if not isinstance(other, str) or other not in pairs or other == name:
+            raise RegistryError(f"{where} is not the name of another pair: {', '.join(p for p in pairs if p != name)}")
+        if pairs_data[other].get("otherwise") is not None:
+            raise RegistryError(f"{where} names a pair that has an 'otherwise' of its own (one step only)")
+        pairs[name] = replace(pairs[name], otherwise=pairs[other])
     default = data.get("default", next(iter(pairs)))
     if not isinstance(default, str) or default not in pairs:
         raise RegistryError(f"{file}: default = {default!r} is not one of the pairs: {', '.join(pairs)}")

@@ -16,9 +16,12 @@ drafter = { path = "drafter" }
 
 def test_the_projects_registry_parses_with_the_expected_pairs():
     registry = load_registry()
-    assert registry.default == "smollm2-135m"
+    assert registry.default == "smollm2-135m-w4a8"
     assert registry.get("smollm2-135m-int4").weights == "int4" and registry.get("smollm2-135m-int4").kernels == "aoti"
     default = registry.get(None)
+    # The GGUF as llama.cpp computes it, or the bf16 pair where the CPU cannot run those kernels.
+    assert (default.weights, default.kernels, default.otherwise) == ("w4a8", "aoti", registry.get("smollm2-135m"))
+    assert registry.get("smollm2-135m").otherwise is None
     assert default.target.kind == "gguf" and default.target_device == "cpu"
     assert default.drafter.kind == "path"
     for name in ("qwen3-4b", "qwen3-8b", "llama31-8b"):
@@ -118,6 +121,41 @@ def test_the_registry_lists_every_z_lab_drafter_with_its_target_memory_and_think
     # Pairs that outgrow one 141 GB GPU spread the target over every GPU.
     for name in ("qwen35-122b-a10b", "gpt-oss-120b", "qwen3-coder-next", "kimi-k25"):
         assert registry.get(name).target_device == "auto" and registry.get(name).gpu_memory_gb > 140
+
+
+OTHER_PAIR = """
+[pairs.q]
+target = { hub = "org/model" }
+drafter = { path = "drafter" }
+"""
+
+
+def test_otherwise_names_another_pair_one_step_away(tmp_path):
+    file = tmp_path / "models.toml"
+    file.write_text(GOOD_PAIR + 'weights = "w4a8"\notherwise = "q"\n' + OTHER_PAIR)
+    registry = load_registry(file)
+    assert registry.get("p").otherwise == registry.get("q") and registry.get("q").otherwise is None
+    for text, message in ((GOOD_PAIR + 'otherwise = "nope"\n' + OTHER_PAIR, "otherwise = 'nope' is not the name of "
+                                                                             "another pair: q"),
+                          (GOOD_PAIR + 'otherwise = "p"\n' + OTHER_PAIR, "otherwise = 'p' is not the name"),
+                          (GOOD_PAIR + 'otherwise = "q"\n' + OTHER_PAIR + 'otherwise = "p"\n',
+                           "names a pair that has an 'otherwise' of its own")):
+        file.write_text(text)
+        with pytest.raises(RegistryError, match=message):
+            load_registry(file)
+
+
+def test_a_pair_whose_kernels_cannot_run_here_loads_its_otherwise_and_says_why(monkeypatch):
+    from dflash_core import int8_rows, loading
+
+    registry = load_registry()
+    monkeypatch.setattr(int8_rows, "refusal", lambda: "this CPU has no AVX512-VNNI")
+    said = []
+    loaded = loading.load_pair(registry.get("smollm2-135m-w4a8"), said.append)
+    assert loaded.pair.name == "smollm2-135m" and loaded.target.runner.weight_format == "bf16"
+    assert said[0] == ("smollm2-135m-w4a8: this CPU has no AVX512-VNNI, which its weights (w4a8) need; loading "
+                       "smollm2-135m instead (its 'otherwise')")
+    assert loading.kernels_refusal(registry.get("smollm2-135m")) is None  # bf16: no kernels of its own
 
 
 @pytest.mark.parametrize("text, message", [
