@@ -57,7 +57,18 @@ def machine_key(target: TargetRunner, pair: str, block_size: int) -> str:
         parts.append(f"kernels={kernels}")
     if getattr(target, "compiled_layers", False):  # whole compiled layers cost differently again
         parts.append("layers=compiled")
+    if weights != "bf16" or kernels != "onednn":
+        # the project's own C++ kernels run in these: a changed build may move every cost a little,
+        # the spot check only the two it measures
+        parts.append(f"csrc={csrc_digest()}")
     return " | ".join(parts)
+
+
+def csrc_digest() -> str:
+    """The builds of the project's C++ kernels (``csrc/``), as their libraries are named."""
+    from .int8_dot import build_digest
+
+    return "+".join(build_digest(source) for source in sorted((Path(__file__).parent / "csrc").glob("*.cpp")))
 
 
 def _read() -> dict[str, Any]:

@@ -62,6 +62,12 @@ def unavailable() -> str | None:
     return why
 
 
+def build_digest(source: Path) -> str:
+    """What a build of ``source`` depends on: its text, the headers beside it and the flags."""
+    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
+    return hashlib.sha256(source.read_bytes() + headers + " ".join(FLAGS).encode()).hexdigest()[:12]
+
+
 @functools.cache
 def compiled(source: Path) -> ctypes.CDLL:
     """The C++ file ``source`` compiled with ``FLAGS`` and loaded, built into the cache first where
@@ -69,9 +75,7 @@ def compiled(source: Path) -> ctypes.CDLL:
     builds anew)."""
     from .aoti_kernels import build_lock, kernel_dir
 
-    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
-    digest = hashlib.sha256(source.read_bytes() + headers + " ".join(FLAGS).encode()).hexdigest()[:12]
-    library = kernel_dir() / f"{source.stem}-{digest}.so"
+    library = kernel_dir() / f"{source.stem}-{build_digest(source)}.so"
     with build_lock(library):
         if not library.exists():
             _compile(source, library)

@@ -66,3 +66,16 @@ def test_an_unreadable_cache_is_measured_around(runner):
     key = calibration.machine_key(runner, "tiny", 16)
     assert calibration.cached_costs(key, "verify", runner, lambda: [1.0]) == [1.0]
     assert json.loads(calibration.cache_file().read_text()) == {key: {"verify": [1.0]}}
+
+
+def test_a_rebuilt_kernel_library_is_another_key(runner, monkeypatch):
+    """Pairs on the project's own C++ kernels key their costs by the kernels' build: a changed
+    kernel is measured anew, whatever the spot check's two passes say."""
+    from dflash_core import int8_dot
+
+    assert "csrc=" not in calibration.machine_key(runner, "p", 16)  # bf16 on oneDNN: none of ours
+    monkeypatch.setattr(runner, "weight_format", "w4a8", raising=False)
+    before = calibration.machine_key(runner, "p", 16)
+    assert "csrc=" in before
+    monkeypatch.setattr(int8_dot, "build_digest", lambda source: "changed")
+    assert calibration.machine_key(runner, "p", 16) != before
