@@ -19,7 +19,7 @@ from .errors import DFlashError
 
 # ------------------------------------------------------------------------------------------ pairs
 def cmd_pairs(args: argparse.Namespace) -> int:
-    from .loading import device_problem
+    from .loading import device_problem, kernels_refusal
     from .registry import load_registry, local_gpu_memory_gb, memory_problem
 
     registry = load_registry(args.registry)
@@ -43,8 +43,13 @@ def cmd_pairs(args: argparse.Namespace) -> int:
             "quantization": pair.quantization,
             "enable_thinking": pair.enable_thinking,
             "gpu_memory_gb": pair.gpu_memory_gb,
+            "weights": pair.weights,
+            "otherwise": pair.otherwise.name if pair.otherwise else None,
             "runnable": problem is None,
             "reason": problem,
+            # where this CPU cannot run the pair's kernels: the pair loaded instead, and why
+            "loads_instead": (None if pair.otherwise is None or not (why := kernels_refusal(pair))
+                              else {"pair": pair.otherwise.name, "why": why}),
         })
     if args.json:
         print(json.dumps({"registry": str(registry.path), "default": registry.default, "pairs": rows}, indent=2))
@@ -53,6 +58,8 @@ def cmd_pairs(args: argparse.Namespace) -> int:
     for row in rows:
         mark = "*" if row["default"] else " "
         status = "ok" if row["runnable"] else f"unavailable here: {row['reason']}"
+        if row["runnable"] and row["loads_instead"]:
+            status = f"ok, as {row['loads_instead']['pair']} ({row['loads_instead']['why']})"
         print(f"{mark} {row['name']:<22} {row['dtype']:<9} {row['target_device']:<6} {status}")
         print(f"    {row['description']}")
         print(f"    target:  {row['target']}")

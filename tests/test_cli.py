@@ -80,9 +80,29 @@ def test_raw_prompts_skip_the_chat_template(capsys):
 def test_pairs_lists_the_registry_with_availability(capsys):
     out = run_json(capsys, "pairs", "--json")
     names = {p["name"]: p for p in out["pairs"]}
-    assert names["smollm2-135m"]["default"] and names["smollm2-135m"]["runnable"]
+    default = names["smollm2-135m-w4a8"]
+    assert default["default"] and default["runnable"] and default["otherwise"] == "smollm2-135m"
+    assert default["weights"] == "w4a8"
+    from dflash_core import int8_rows
+    if int8_rows.refusal() is None:
+        assert default["loads_instead"] is None
+    else:  # a CPU without w4a8's kernels: the bf16 pair runs, and `pairs` says so
+        assert default["loads_instead"] == {"pair": "smollm2-135m", "why": int8_rows.refusal()}
+    assert not names["smollm2-135m"]["default"] and names["smollm2-135m"]["runnable"]
+    assert names["smollm2-135m"]["loads_instead"] is None
     assert not names["smollm2-135m-int4"]["default"] and names["smollm2-135m-int4"]["runnable"]
     assert not names["qwen3-8b"]["runnable"] and "CUDA" in names["qwen3-8b"]["reason"]
+
+
+def test_pairs_says_which_pair_runs_where_the_defaults_kernels_cannot(capsys, monkeypatch):
+    from dflash_core import int8_rows
+
+    monkeypatch.setattr(int8_rows, "refusal", lambda: "this CPU has no AVX512-VNNI")
+    names = {p["name"]: p for p in run_json(capsys, "pairs", "--json")["pairs"]}
+    assert names["smollm2-135m-w4a8"]["loads_instead"] == {"pair": "smollm2-135m", "why": "this CPU has no AVX512-VNNI"}
+    assert cli.main(["pairs"]) == 0
+    out = capsys.readouterr().out
+    assert "* smollm2-135m-w4a8" in out and "ok, as smollm2-135m (this CPU has no AVX512-VNNI)" in out
 
 
 def test_streaming_text_output(capsys):

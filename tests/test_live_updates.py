@@ -8,6 +8,7 @@ from __future__ import annotations
 import html
 import json
 import re
+import time
 
 import pytest
 
@@ -79,9 +80,18 @@ def test_stop_ends_the_engine_within_a_cycle(studio):
     assert studio.stop(Request()) == "Nothing is running."
 
 
-def test_a_closed_page_frees_the_engine_within_a_cycle(studio):
+def test_a_closed_page_frees_the_engine_within_a_cycle(studio, monkeypatch):
     v = studio.views
     engine = studio.service.engine(None)
+    # Each target pass made a little slower, so the run is still going when the page closes: the
+    # default pair can finish this answer (EOS) within a second, before the page's stream opens.
+    runner = engine.target.runner
+    forward = runner.forward
+
+    def slower(*args, **kwargs):
+        time.sleep(0.01)
+        return forward(*args, **kwargs)
+    monkeypatch.setattr(runner, "forward", slower)
     channel, finish = run_until_live(run_compare(studio, 1500, baseline=False), v.live_update)
     # The page's event stream opens and closes (the tab went away); a reconnecting page would be
     # given ``grace_s`` to come back, which this test does not wait for.
