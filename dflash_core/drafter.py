@@ -713,7 +713,8 @@ class DFlashDrafter(nn.Module):
         block_pos = block_positions if block_positions.dim() == 2 else block_positions[None]
         rope_block = self.rotary(block_pos, dtype)
         fused = self.fused_pass
-        if fused is not None and block_positions.dim() == 1 and fused.handles(x, context_features, mask, cache):
+        if (fused is not None and block_positions.dim() == 1 and context_positions is not None
+                and fused.handles(x, context_features, mask, cache)):
             ctx_pos = context_positions if context_positions.dim() == 2 else context_positions[None]
             return fused(x, context_features, rope_block, self.rotary(ctx_pos, dtype), cache)
         context = rope_context = ctx_pos = None
