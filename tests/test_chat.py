@@ -385,7 +385,8 @@ def test_real_browser_chat_two_turns_a_baseline_for_the_first_and_stop(app_url):
         # Stop ends a long answer; what it had said stays, marked as stopped.
         page.locator("#dfs-chat-max-new input[type=number]").fill("1500")
         page.locator("#dfs-chat-max-new input[type=number]").press("Enter")
-        send_in_browser(page, "Now tell me a very long story about the sea.", "answering")
+        # (an answer that runs to the token budget: a story could end on its own before Stop lands)
+        send_in_browser(page, "Count from 1 to 1000 in words, one number per line.", "answering")
         page.wait_for_function("() => document.querySelectorAll('#dfs-chat-conv .dfs-text[data-run] .tok').length > 0",
                                timeout=120_000)
         page.locator("#dfs-chat-stop").click()
