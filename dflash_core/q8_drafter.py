@@ -4,7 +4,8 @@
 A drafter pass is paid every cycle. Beside the int4 and int8 targets its layers run inductor's
 int8 weight-only GEMM, which on an AVX512-BF16 CPU without AMX widens rows and codes to fp32: a
 16-row pass of a three-layer drafter then cost 6.6-7.0 ms of a 33 ms cycle beside the int4 target
-on the EPYC measured (``make benchmarks-bars``; 4.1-4.5 ms this way: docs/BENCHMARKS-AMD.md). Here its matrices
+on the EPYC measured (``make benchmarks-bars``; 4.1-4.5 ms this way, 3.3 ms with the whole pass in
+one C++ call, ``FusedDrafterPass``: docs/BENCHMARKS-AMD.md). Here its matrices
 are quantized to Q8_0 (groups of 32, ``weight_formats.quantize_q8``) and each layer's decode pass
 is: the block's rows through QKV with the input norm inside the call, the new context's rows
 (not normed, as in z-lab's layer) through the same matrix, the per-head norms, rotary and the
@@ -14,7 +15,9 @@ residual, gate/up with the post-attention norm, SiLU x up inside down's call wit
 Drafts are proposals, which the target verifies: rounding here moves acceptance at most, never
 the output. A layer runs this way only where a probe finds it the eager layer to rounding, and
 only for what a decode asks of it (``aoti_drafter.CompiledDrafterLayer.handles``); every other call
-runs the eager layer, as does any call after the drafter's weights have changed.
+runs the eager layer, as does any call after the drafter's weights have changed. Where every layer
+runs this way, ``FusedDrafterPass`` makes the same calls for the whole pass from C++, where its own
+probe passes.
 """
 
 from __future__ import annotations
