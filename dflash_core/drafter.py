@@ -712,16 +712,16 @@ class DFlashDrafter(nn.Module):
         x = noise_embedding * self.config.input_embedding_scale if self.config.input_embedding_scale != 1.0 else noise_embedding
         block_pos = block_positions if block_positions.dim() == 2 else block_positions[None]
         rope_block = self.rotary(block_pos, dtype)
-        fused = self.fused_pass
-        if (fused is not None and block_positions.dim() == 1 and context_positions is not None
-                and fused.handles(x, context_features, mask, cache)):
-            ctx_pos = context_positions if context_positions.dim() == 2 else context_positions[None]
-            return fused(x, context_features, rope_block, self.rotary(ctx_pos, dtype), cache)
-        context = rope_context = ctx_pos = None
+        ctx_pos = None if context_positions is None else (
+            context_positions if context_positions.dim() == 2 else context_positions[None])
+        if self.fused_pass is not None and self.fused_pass.handles(x, context_features, ctx_pos, mask, cache):
+            return self.fused_pass(x, context_features, rope_block, self.rotary(ctx_pos, dtype), cache)
+        context = rope_context = None
         if context_features is not None and context_features.shape[-2] > 0:
             context = self.fuse(context_features.to(dtype))
-            ctx_pos = context_positions if context_positions.dim() == 2 else context_positions[None]
             rope_context = self.rotary(ctx_pos, dtype)
+        else:
+            ctx_pos = None  # no context this call: its positions mean nothing to the layers
         # Where the block starts, for the sliding-window caches to drop what no later block can see
         # (read once per call, and only for drafters that have such layers: it waits for the device).
         windowed = cache is not None and any(spec.sliding_window is not None for spec in self.layer_specs)

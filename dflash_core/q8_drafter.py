@@ -77,9 +77,9 @@ class Q8DrafterLayer(CompiledDrafterLayer):
 
 
 # How far the one-call pass may stray from the layer-by-layer one: the same products on the same
-# int8 rows, only attention's and the norms' sums rounded their own way (about 2e-7 relative on the
-# tests' drafters), except where that tips a row's rounding to int8 (2 passes of 72 in the tests,
-# 0.15% and 0.8%); a misplaced constant is off by about the results' own size.
+# int8 rows, only attention's and the norms' sums rounded their own way (within 1e-5 in most of the
+# tests' passes), except where that tips a row's rounding to int8 (tests/test_int8_rows.py bounds
+# both); a misplaced constant is off by about the results' own size.
 FUSED_TOLERANCE = 2e-2
 
 
@@ -94,7 +94,6 @@ class FusedDrafterPass:
 
     def __init__(self, drafter) -> None:
         layers = [layer.compiled for layer in drafter.layers]
-        self.drafter = drafter
         self.fc = q8_matrix(drafter.fc.weight)
         first = layers[0]
         self.heads, self.kv_heads = first.heads
@@ -111,7 +110,7 @@ class FusedDrafterPass:
         eps += [float(drafter.hidden_norm.eps), float(drafter.norm.eps)]
         self.table = torch.tensor(table, dtype=torch.int64)
         self.eps = torch.tensor(eps, dtype=torch.float32)
-        self.layers = layers
+        self.num_layers = len(layers)
         self._params = list(drafter.parameters())
         self._source = self._state()
         self._kernel = library().q8_drafter_pass
@@ -119,10 +118,13 @@ class FusedDrafterPass:
     def _state(self) -> list:
         return [(p.data_ptr(), p._version) for p in self._params]
 
-    def handles(self, x: torch.Tensor, features: torch.Tensor | None, mask, cache) -> bool:
-        """Whether this call is a decode pass it serves (else the layers run one by one)."""
+    def handles(self, x: torch.Tensor, features: torch.Tensor | None, positions: torch.Tensor | None, mask,
+                cache) -> bool:
+        """Whether this call (``DFlashDrafter.forward``'s block input, context features and their
+        positions) is a decode pass it serves (else the layers run one by one)."""
         return (x.shape[0] == 1 and features is not None and features.shape[0] == 1 and features.shape[1] > 0
-                and mask is None and cache is not None and x.dtype == torch.float32 and self._state() == self._source)
+                and positions is not None and mask is None and cache is not None and x.dtype == torch.float32
+                and self._state() == self._source)
 
     def _buffers(self, cache, needed: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The cache's buffers, holding what its lists hold and room for ``needed`` positions."""
@@ -133,7 +135,7 @@ class FusedDrafterPass:
                                                  and key.shape[2] == seen)
                 for i, key in enumerate(cache.keys)):
             return held
-        shape = (len(self.layers), self.kv_heads, max(2 * needed, 256), self.head_dim)
+        shape = (self.num_layers, self.kv_heads, max(2 * needed, 256), self.head_dim)
         keys, values = torch.empty(shape), torch.empty(shape)
         for i, (key, value) in enumerate(zip(cache.keys, cache.values)):
             if key is not None:
@@ -152,12 +154,12 @@ class FusedDrafterPass:
         keys, values = self._buffers(cache, seen + c + q)
         (cos, sin), (context_cos, context_sin) = ((t[0].float().contiguous() for t in table)
                                                   for table in (rope_block, rope_context))
-        self._kernel(self.table.data_ptr(), len(self.layers), self.eps.data_ptr(), rows.data_ptr(), q,
+        self._kernel(self.table.data_ptr(), self.num_layers, self.eps.data_ptr(), rows.data_ptr(), q,
                      context.data_ptr(), c, context.shape[1], self.fc.packed.data_ptr(), self.hidden_norm.data_ptr(),
                      self.norm.data_ptr(), self.hidden, self.heads, self.kv_heads, self.head_dim, self.intermediate,
                      cos.data_ptr(), sin.data_ptr(), context_cos.data_ptr(), context_sin.data_ptr(), keys.data_ptr(),
                      values.data_ptr(), keys.stride(0), keys.shape[2], seen, torch.get_num_threads())
-        for i in range(len(self.layers)):
+        for i in range(self.num_layers):
             cache.keys[i], cache.values[i] = keys[i, :, :seen + c][None], values[i, :, :seen + c][None]
             cache.seen[i] += c
         return rows.to(x.dtype)[None]

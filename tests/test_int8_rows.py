@@ -268,10 +268,12 @@ def test_the_drafters_one_call_pass_is_its_layers_passes_whatever_came_before_it
     # Changed weights: the pass steps aside (the layers then step aside too, for the eager ones).
     fused = drafter.fused_pass
     x = torch.randn(1, 8, drafter.fc.out_features)
-    assert fused.handles(x, torch.randn(1, 3, drafter.fc.in_features), None, drafter.new_cache())
+    features, positions = torch.randn(1, 3, drafter.fc.in_features), torch.arange(3)[None]
+    assert fused.handles(x, features, positions, None, drafter.new_cache())
+    assert not fused.handles(x, features, None, None, drafter.new_cache())  # no positions: the layers run
     with torch.no_grad():
         drafter.norm.weight.add_(1.0)
-    assert not fused.handles(x, torch.randn(1, 3, drafter.fc.in_features), None, drafter.new_cache())
+    assert not fused.handles(x, features, positions, None, drafter.new_cache())
 
 
 @needs_kernels

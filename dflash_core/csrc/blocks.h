@@ -33,6 +33,15 @@ inline float rms_scale(const float* x, int64_t n, float eps) {
   return 1.0f / std::sqrt(squares / static_cast<float>(n) + eps);
 }
 
+// Each of M rows of x (M, K) RMS-normed into out (which may be x): weight * (x * rms_scale(x)), as
+// FastTarget.norm and the drafter's RMSNorm compute it.
+inline void rms_norm_rows(const float* x, int64_t M, int64_t K, const float* weight, float eps, float* out) {
+  for (int64_t m = 0; m < M; ++m) {
+    const float scale = rms_scale(x + m * K, K, eps);
+    for (int64_t k = 0; k < K; ++k) out[m * K + k] = weight[k] * (x[m * K + k] * scale);
+  }
+}
+
 // Every accumulator of an MB x NB tile set to zero.
 template <int MB, int NB>
 inline void zero(__m512 (&acc)[MB][NB]) {

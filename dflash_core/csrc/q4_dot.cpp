@@ -184,19 +184,18 @@ extern "C" void q4_dot_glu(const float* gu, int64_t M, int64_t K, uint16_t* rows
 // (table_heads = 1). Where q_norm / k_norm (D) are given, each query / key head is first RMS-normed
 // as the drafter's RMSNorm does it: weight * (x * 1 / sqrt(mean(x^2) + eps)). ``rotate_half``: the
 // rolled first half negated, as the drafter's rotate_half does (FastTarget's sin table carries
-// that sign instead): x * cos + rotate_half(x) * sin.
+// that sign instead): x * cos + rotate_half(x) * sin. Where q is null the queries are skipped.
 extern "C" void rope_split(const float* qkv, int64_t T, int64_t H, int64_t KV, int64_t D, const float* cos,
                            const float* sin, int64_t table_heads, const float* q_norm, const float* k_norm, float eps,
                            int rotate_half, float* q, float* k, float* v) {
   const int64_t half = D / 2, heads = H + 2 * KV;
   std::vector<float> normed(D);
   for (int64_t t = 0; t < T; ++t) {
-    for (int64_t h = 0; h < H + KV; ++h) {
+    for (int64_t h = q ? 0 : H; h < H + KV; ++h) {
       const float* x = qkv + (t * heads + h) * D;
       const float* weight = h < H ? q_norm : k_norm;
       if (weight) {
-        const float scale = rms_scale(x, D, eps);
-        for (int64_t d = 0; d < D; ++d) normed[d] = weight[d] * (x[d] * scale);
+        rms_norm_rows(x, 1, D, weight, eps, normed.data());
         x = normed.data();
       }
       const int64_t table = (t * table_heads + (table_heads == 1 ? 0 : h)) * D;
@@ -320,8 +319,8 @@ void tile8(const int8_t* x, const float* xs, int64_t M, int64_t K, const uint8_t
 template <int F, int MB>
 void rows8(const int8_t* x, const float* xs, int64_t M, int64_t K, const uint8_t* q, const float* add, float* y,
            int64_t N, int threads) {
-  over_block_sets<1>(N, threads, [&](int64_t nb) { tile8<F, MB>(x, xs, M, K, q, add, y, N, nb); },
-                     [&](int64_t nb) { tile8<F, MB>(x, xs, M, K, q, add, y, N, nb); });
+  const auto block = [&](int64_t nb) { tile8<F, MB>(x, xs, M, K, q, add, y, N, nb); };
+  over_block_sets<1>(N, threads, block, block);  // one block a set: none left over
 }
 
 using Rows8Fn = void (*)(const int8_t*, const float*, int64_t, int64_t, const uint8_t*, const float*, float*, int64_t,
@@ -361,11 +360,7 @@ extern "C" void int8_rows_floats(int format, const float* x, int64_t M, int64_t 
                                  const uint8_t* q, const float* add, float* y, int64_t N, int threads) {
   if (norm) {
     float* normed = row_scratch(M * K);
-    for (int64_t m = 0; m < M; ++m) {
-      const float* row = x + m * K;
-      const float scale = rms_scale(row, K, eps);
-      for (int64_t k = 0; k < K; ++k) normed[m * K + k] = norm[k] * (row[k] * scale);
-    }
+    rms_norm_rows(x, M, K, norm, eps, normed);
     x = normed;
   }
   int8_rows_product(format, x, M, K, q, add, y, N, threads);
@@ -624,17 +619,9 @@ extern "C" void q8_drafter_pass(const int64_t* layers, int64_t L, const float* e
                                 int threads) {
   const int64_t width = (H + 2 * KV) * D;
   std::vector<float> context(C * E), qkv(Q * width), qkv_context(C * width), q(Q * H * D), k(Q * KV * D),
-      v(Q * KV * D), q_unused(C * H * D), kc(C * KV * D), vc(C * KV * D), att(Q * H * D), h(Q * E),
-      gate_up(Q * 2 * I);
-  const auto norm_rows = [](float* rows, int64_t M, int64_t K, const float* weight, float epsilon) {
-    for (int64_t m = 0; m < M; ++m) {
-      float* row = rows + m * K;
-      const float scale = rms_scale(row, K, epsilon);
-      for (int64_t i = 0; i < K; ++i) row[i] = weight[i] * (row[i] * scale);
-    }
-  };
+      v(Q * KV * D), kc(C * KV * D), vc(C * KV * D), att(Q * H * D), h(Q * E), gate_up(Q * 2 * I);
   int8_rows_floats(Q8, features, C, F, nullptr, 0.0f, fc, nullptr, context.data(), E, threads);
-  norm_rows(context.data(), C, E, hidden_norm, eps[3 * L]);
+  rms_norm_rows(context.data(), C, E, hidden_norm, eps[3 * L], context.data());
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));  // scaled_dot_product_attention's
   std::vector<int64_t> slots(C + Q), lengths(Q, seen + C + Q);
   for (int64_t i = 0; i < C + Q; ++i) slots[i] = seen + i;
@@ -649,7 +636,7 @@ extern "C" void q8_drafter_pass(const int64_t* layers, int64_t L, const float* e
     int8_rows_floats(Q8, context.data(), C, E, nullptr, 0.0f, matrix(0), nullptr, qkv_context.data(), width, threads);
     rope_split(qkv.data(), Q, H, KV, D, cos, sin, 1, vector(6), vector(7), layer_eps[2], 1, q.data(), k.data(), v.data());
     rope_split(qkv_context.data(), C, H, KV, D, context_cos, context_sin, 1, vector(6), vector(7), layer_eps[2], 1,
-               q_unused.data(), kc.data(), vc.data());
+               nullptr, kc.data(), vc.data());  // the context's keys and values only
     for (float& value : q) value *= scale;  // attend_rows takes its queries scaled
     write_rows(kc.data(), vc.data(), layer_keys, layer_values, slots.data(), C, KV, D, capacity);
     write_rows(k.data(), v.data(), layer_keys, layer_values, slots.data() + C, Q, KV, D, capacity);
@@ -658,5 +645,5 @@ extern "C" void q8_drafter_pass(const int64_t* layers, int64_t L, const float* e
     int8_rows_floats(Q8, h.data(), Q, E, vector(5), layer_eps[1], matrix(2), nullptr, gate_up.data(), 2 * I, threads);
     int8_rows_glu(Q8, gate_up.data(), Q, I, matrix(3), h.data(), x, E, threads);
   }
-  norm_rows(x, Q, E, final_norm, eps[3 * L + 1]);
+  rms_norm_rows(x, Q, E, final_norm, eps[3 * L + 1], x);
 }
