@@ -19,15 +19,18 @@ from dflash_core.speculative import GenerationConfig
 
 pytestmark = pytest.mark.slow
 PROMPT = "Write a Python function that checks whether a string is a palindrome."
+# An answer that runs to the token budget: the default pair can finish a short answer (EOS) within
+# a second, before Stop or a closed page lands.
+LONG_PROMPT = "Count from 1 to 1000 in words, one number per line."
 
 
 Request = browser_session("test-session")
 
 
-def run_compare(studio, max_new: int, variant=(True, True, True), baseline: bool = True):
+def run_compare(studio, max_new: int, variant=(True, True, True), baseline: bool = True, prompt: str = PROMPT):
     pair = studio.service.registry.default
     adaptive, tree, lookup = variant
-    return studio.compare(pair, PROMPT, 16, 0.0, max_new, 0, baseline, adaptive, tree, lookup, Request())
+    return studio.compare(pair, prompt, 16, 0.0, max_new, 0, baseline, adaptive, tree, lookup, Request())
 
 
 def visible_text(pane_html: str) -> str:
@@ -74,7 +77,7 @@ def test_each_token_and_cycle_is_sent_once_and_the_final_panes_are_the_record(st
 
 def test_stop_ends_the_engine_within_a_cycle(studio):
     v = studio.views
-    rest = stop_at_first_live_update(studio, run_compare(studio, 1500, variant=(False, False, False)),
+    rest = stop_at_first_live_update(studio, run_compare(studio, 1500, variant=(False, False, False), prompt=LONG_PROMPT),
                                      v.live_update, Request())
     assert "stopped" in rest[-1][v.status]
     assert studio.stop(Request()) == "Nothing is running."
@@ -83,16 +86,15 @@ def test_stop_ends_the_engine_within_a_cycle(studio):
 def test_a_closed_page_frees_the_engine_within_a_cycle(studio, monkeypatch):
     v = studio.views
     engine = studio.service.engine(None)
-    # Each target pass made a little slower, so the run is still going when the page closes: the
-    # default pair can finish this answer (EOS) within a second, before the page's stream opens.
+    # An answer that runs to the budget, each target pass (blocks and trees) a little slower: the
+    # run is still going when the page closes, however fast the default pair.
     runner = engine.target.runner
-    forward = runner.forward
-
-    def slower(*args, **kwargs):
-        time.sleep(0.01)
-        return forward(*args, **kwargs)
-    monkeypatch.setattr(runner, "forward", slower)
-    channel, finish = run_until_live(run_compare(studio, 1500, baseline=False), v.live_update)
+    for name in ("forward", "forward_tree"):
+        def slower(*args, _pass=getattr(runner, name), **kwargs):
+            time.sleep(0.01)
+            return _pass(*args, **kwargs)
+        monkeypatch.setattr(runner, name, slower)
+    channel, finish = run_until_live(run_compare(studio, 1500, baseline=False, prompt=LONG_PROMPT), v.live_update)
     # The page's event stream opens and closes (the tab went away); a reconnecting page would be
     # given ``grace_s`` to come back, which this test does not wait for.
     channel.grace_s = 0.0
