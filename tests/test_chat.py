@@ -166,7 +166,7 @@ def test_stop_ends_the_answer_within_a_cycle_and_keeps_what_was_said(studio):
     def clear_is_refused() -> None:  # not while answering
         assert "press Stop first" in studio.chat.clear(Request())[v.status]
 
-    rest = stop_at_first_live_update(studio, say(studio, "Tell me a very long story about the sea.", [], max_new=1500),
+    rest = stop_at_first_live_update(studio, say(studio, "Count from 1 to 1000 in words, one number per line.", [], max_new=1500),
                                      v.live_update, Request(), while_running=clear_is_refused)
     assert "stopped" in rest[-1][v.status]
     answer = history_of(studio, rest)[-1]
