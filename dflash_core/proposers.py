@@ -10,6 +10,10 @@ the target kept; the loop (``speculative.stream``) never knows which proposer it
   lookup's guess grafted in (``lookup.py``); adaptive: cut to the prefix that pays best, and a
   confident guess verified alone, without running the drafter.
 
+Adaptive proposers also let the drafter sit out while drafting does not pay
+(``DraftingMeter``), and fill a block only as deep as recent cycles' verified drafts went
+(``DrafterReach``).
+
 A draft is a ``ChainDraft`` (flat tensors, verified by the target's plain forward) or a
 ``TreeDraft`` (verified by ``forward_tree``); both answer the same three calls: ``verify`` (one
 target pass), ``settle`` (the rule's verdict to the host: the cycle's one transfer) and
@@ -33,19 +37,54 @@ from .tree import BRANCHING, DraftTree, best_extension, build_tree, chain_tree, 
 
 DRAFT_COST_WEIGHT = 0.1  # weight of the newest cycle in the running means of the drafter's cost and gain
 PAYS_WEIGHT = 0.3  # weight of the newest drafting cycle in DraftingMeter's means (it must notice a change of text)
+# DrafterReach's block holds this many times the drafts the last cycles verified (room to notice
+# that more would pay); drafts beyond it come too rarely to pay for a block twice as large.
+REACH_HEADROOM = 1.5
+REACH_WEIGHT = 0.3  # weight of the newest drafting cycle in DrafterReach's mean depth
 MAX_SKIP = 32  # the most cycles in a row DraftingMeter has the drafter sit out before it drafts again
+
+
+class DrafterReach:
+    """Adaptive variants: how many slots the drafter fills next. A drafter pass over a whole
+    block costs more than one over a few slots (on a CPU, markedly: docs/BENCHMARKS-AMD.md), and
+    where drafts past the first few are rarely worth verifying (prose, a weak drafter) that cost
+    buys nothing. A running mean of how deep the verified drafts from the drafter went
+    (``record``) sets the next block (``block``): the smallest power of two whose drafts reach
+    ``REACH_HEADROOM`` times that deep, the whole block before anything was recorded. Verified drafts reaching the block's end raise the mean, so the block doubles
+    where the text becomes predictable again."""
+
+    def __init__(self) -> None:
+        self.depth: float | None = None
+
+    def block(self, size: int) -> int:
+        """The drafter's block (anchor included) for a cycle that may verify ``size - 1`` drafts."""
+        if self.depth is None:
+            return size
+        block = 2
+        while block < size and block - 1 < REACH_HEADROOM * self.depth:
+            block *= 2
+        return min(block, size)
+
+    def record(self, depth: int) -> None:
+        """A drafting cycle verified drafts from the drafter down to ``depth`` (0: none)."""
+        w = REACH_WEIGHT
+        self.depth = depth if self.depth is None else (1 - w) * self.depth + w * depth
 
 
 class DraftingMeter:
     """Whether running the drafter has been paying against the target alone, for adaptive
     variants: running means of a drafting cycle's committed tokens and its measured time, against
-    one token per ``verify_costs[0]`` (the target's single-token pass). Where drafting has been
-    slower, the drafter sits out the next cycles (the target alone, exact as ever: 1, then 2, 4 ...
-    up to ``MAX_SKIP`` while it keeps not paying), then drafts again to measure anew. A fast target
-    with a weak drafter (tau near 2) otherwise makes an adaptive variant slower than AR."""
+    one token per cycle of the target alone: as measured in this run's cycles without drafts
+    (``record_alone``: the same context, the loop's own overhead), ``verify_costs[0]`` (the
+    target's single-token pass, calibrated after a short context) until there is one. Where
+    drafting has been slower, the drafter sits out the next cycles (the target alone, exact as
+    ever: 1, then 2, 4 ... up to ``MAX_SKIP`` while it keeps not paying), then drafts again to
+    measure anew. A fast target with a weak drafter (tau near 2) otherwise makes an adaptive
+    variant slower than AR."""
 
     def __init__(self, verify_costs: Sequence[float]) -> None:
         self.single = verify_costs[0]
+        self.alone: float | None = None
         self.tokens: float | None = None
         self.seconds: float | None = None
         self.skip, self.backoff = 0, 1
@@ -62,10 +101,16 @@ class DraftingMeter:
         w = PAYS_WEIGHT
         self.tokens = tokens if self.tokens is None else (1 - w) * self.tokens + w * tokens
         self.seconds = seconds if self.seconds is None else (1 - w) * self.seconds + w * seconds
-        if self.tokens * self.single < self.seconds:  # fewer tokens a second than the target alone
+        single = self.single if self.alone is None else self.alone
+        if self.tokens * single < self.seconds:  # fewer tokens a second than the target alone
             self.skip, self.backoff = self.backoff, min(2 * self.backoff, MAX_SKIP)
         else:
             self.backoff = 1
+
+    def record_alone(self, seconds: float) -> None:
+        """A cycle of the target alone (no drafts) took ``seconds``."""
+        w = DRAFT_COST_WEIGHT
+        self.alone = seconds if self.alone is None else (1 - w) * self.alone + w * seconds
 
 
 @dataclass
@@ -238,11 +283,12 @@ class ChainProposer:
         self.block, self.sampling, self.samples_drafts = block, sampling, samples_drafts
         self.verify_costs, self.now = verify_costs, now
         self.meter = DraftingMeter(verify_costs) if verify_costs else None
+        self.reach = DrafterReach() if verify_costs else None
 
     def propose(self, anchor: int, start: int, size: int, started: float) -> ChainDraft:
         if size <= 1 or (self.meter is not None and not self.meter.drafting()):
             return _no_drafts(anchor, self.block.target.device)
-        logits, columns = self.block.logits(anchor, start, size)
+        logits, columns = self.block.logits(anchor, start, size if self.reach is None else self.reach.block(size))
         probs = None
         if self.samples_drafts:
             probs = self.sampling.probs(logits)
@@ -255,14 +301,18 @@ class ChainProposer:
         if self.verify_costs:
             keep = choose_draft_length(confidence, self.verify_costs, t1_cost=self.now() - started)
             tokens, confidence = tokens[:keep], confidence[:keep]
+            self.reach.record(keep)
             probs = None if probs is None else probs[:keep]
         sampled = None if probs is None else SampledDrafts(tokens, probs, columns)
         return ChainDraft(anchor=anchor, tokens=tokens, confidence=confidence, sampled=sampled, drafter_ran=True)
 
     def observe(self, draft: ChainDraft, outcome: Outcome, committed: list[int], features: torch.Tensor | None,
                 start: int, draft_s: float, cycle_s: float) -> None:
-        if self.meter is not None and draft.drafter_ran:
-            self.meter.record(len(committed), cycle_s)
+        if self.meter is not None:
+            if draft.drafter_ran:
+                self.meter.record(len(committed), cycle_s)
+            else:
+                self.meter.record_alone(cycle_s)
         self.block.saw(features, start, draft.drafter_ran)
 
 
@@ -283,6 +333,7 @@ class TreeProposer:
         self.draft_cost: float | None = None
         self.drafter_gain = 1.0
         self.meter = DraftingMeter(verify_costs) if verify_costs else None
+        self.reach = DrafterReach() if verify_costs else None
 
     def _guess(self, count: int) -> tuple[list[int], int, list[float]]:
         """Prompt lookup's next ``count`` tokens, its match length and each token's chance."""
@@ -320,10 +371,14 @@ class TreeProposer:
             tree = self._guess_alone(anchor, guess, chances)
         alone = tree is not None
         if not alone:
-            logits, columns = self.block.logits(anchor, start, size)
+            logits, columns = self.block.logits(anchor, start, size if self.reach is None else self.reach.block(size))
             tree = _draft_tree(logits, columns, anchor, size - 1, self.verify_costs, self.now() - started,
                                self.tree_costs, self.branching, (guess, chances))
-        shared = dict(drafter_ran=not alone, lookup_only=alone, lookup_path=tree.find_path(guess), lookup_match=match)
+        lookup_path = tree.find_path(guess)
+        if not alone and self.reach is not None:  # how deep the drafter's own nodes went
+            guessed = set(lookup_path)
+            self.reach.record(max((tree.depths[n] for n in range(1, len(tree)) if n not in guessed), default=0))
+        shared = dict(drafter_ran=not alone, lookup_only=alone, lookup_path=lookup_path, lookup_match=match)
         if not tree.is_chain():
             return TreeDraft(tree=tree, **shared)
         return ChainDraft(anchor=anchor, tokens=torch.tensor(tree.tokens[1:], dtype=torch.long, device=device),
@@ -333,8 +388,11 @@ class TreeProposer:
     def observe(self, draft: ChainDraft | TreeDraft, outcome: Outcome, committed: list[int],
                 features: torch.Tensor | None, start: int, draft_s: float, cycle_s: float) -> None:
         w = DRAFT_COST_WEIGHT
-        if draft.drafter_ran and self.meter is not None:
-            self.meter.record(len(committed), cycle_s)
+        if self.meter is not None:
+            if draft.drafter_ran:
+                self.meter.record(len(committed), cycle_s)
+            elif not draft.lookup_only:
+                self.meter.record_alone(cycle_s)
         if draft.drafter_ran:
             self.draft_cost = draft_s if self.draft_cost is None else (1 - w) * self.draft_cost + w * draft_s
             if outcome.lookup_kept == 0:

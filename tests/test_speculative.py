@@ -268,6 +268,84 @@ def test_the_drafting_meter_backs_off_while_drafting_does_not_pay_and_resets_whe
     assert sat_out[-2:] == [0, 0] and meter.skip == 0 and meter.backoff == 1
 
 
+def test_the_drafting_meter_weighs_drafting_against_the_targets_measured_cycles_once_it_has_them():
+    from dflash_core.proposers import DraftingMeter
+
+    meter = DraftingMeter([0.01] * 16)  # calibrated: the target alone at 100 tokens a second
+    meter.record(1, 0.005)  # drafting: 200 a second, it pays against the calibration
+    assert meter.drafting()
+    meter.record_alone(0.002)  # but this run's cycles of the target alone take 2 ms (500 a second)
+    meter.record(1, 0.005)
+    assert not meter.drafting()  # drafting is slower than that: it sits out
+    paying = DraftingMeter([0.001] * 16)  # calibrated at 1,000 a second: drafting never pays against it
+    paying.record_alone(0.02)  # measured: 50 a second (a longer context, the loop's own work)
+    paying.record(2, 0.025)  # 80 a second
+    assert paying.drafting() and paying.drafting()
+
+
+def test_the_drafters_reach_shrinks_its_block_to_the_drafts_verified_and_grows_it_back():
+    from dflash_core.proposers import DrafterReach
+
+    reach = DrafterReach()
+    assert reach.block(16) == 16 and reach.block(4) == 4  # nothing recorded: the whole block
+    for _ in range(20):
+        reach.record(0)  # nothing of the drafter's was worth verifying
+    assert reach.block(16) == 2
+    for _ in range(20):
+        reach.record(2)
+    assert reach.block(16) == 4  # room for one more draft than it verifies
+    sizes = []
+    for _ in range(30):  # the text grows predictable: every cycle verifies the whole block
+        block = reach.block(16)
+        sizes.append(block)
+        reach.record(block - 1)
+    assert sizes[0] == 4 and sizes[-1] == 16 and sizes == sorted(sizes)
+    assert reach.block(8) == 8  # never more than the cycle may verify
+
+
+class BlockRecordingDrafter(DFlashDrafter):
+    """A real drafter that records the size of every block it fills."""
+
+    def __init__(self, base: DFlashDrafter) -> None:
+        super().__init__(base.config)
+        self.load_state_dict(base.state_dict())
+        self.blocks: list[int] = []
+
+    def forward(self, noise_embedding, *args, **kwargs):  # noqa: D102
+        self.blocks.append(noise_embedding.shape[1])
+        return super().forward(noise_embedding, *args, **kwargs)
+
+
+@pytest.mark.parametrize("variant", [dict(adaptive=True), dict(adaptive=True, tree=True, lookup=True)])
+def test_an_adaptive_variant_drafts_smaller_blocks_where_few_drafts_pay_and_stays_lossless(variant):
+    model = tiny_target("llama", seed=6)
+    runner = FastTarget(model)
+    drafter = BlockRecordingDrafter(tiny_drafter(model))
+    # Verifying made to look expensive: a random drafter's drafts are then rarely worth a second row.
+    steep = [0.001 * (1 + 10 * s) for s in range(16)]
+    for prompt in PROMPTS[:2]:
+        ar = collect(stream(runner, None, prompt, GenerationConfig(max_new_tokens=40, block_size=1).validated(16)))
+        drafter.blocks.clear()
+        cfg = GenerationConfig(max_new_tokens=40, block_size=16, **variant).validated(16)
+        out = collect(stream(runner, drafter, prompt, cfg, verify_costs=steep))
+        assert out.token_ids == ar.token_ids
+        assert drafter.blocks[0] == 16 and max(drafter.blocks[1:]) <= 4, drafter.blocks
+    # Every draft kept and verifying cheap: the blocks stay whole.
+    reference = collect(stream(runner, None, PROMPTS[0], GenerationConfig(max_new_tokens=60, block_size=1).validated(16)))
+    oracle = OracleDrafter(drafter, list(PROMPTS[0]) + reference.token_ids)
+    sizes = []
+    oracle_forward = oracle.forward
+
+    def recorded(noise_embedding, *args, **kwargs):
+        sizes.append(noise_embedding.shape[1])
+        return oracle_forward(noise_embedding, *args, **kwargs)
+    oracle.forward = recorded
+    cfg = GenerationConfig(max_new_tokens=60, block_size=16, **variant).validated(16)
+    out = collect(stream(runner, oracle, PROMPTS[0], cfg, verify_costs=[0.001] * 16))
+    # (the last block is what is left of the 60 tokens)
+    assert out.token_ids == reference.token_ids and len(sizes) > 2 and set(sizes[:-1]) == {16}, sizes
+
+
 class SlowDrafter(DFlashDrafter):
     """A real drafter whose every pass takes 20 ms more: one that never pays for itself."""
 
