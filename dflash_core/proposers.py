@@ -48,12 +48,12 @@ class DrafterReach:
     """Adaptive variants: how many slots the drafter fills next. A drafter pass over a whole
     block costs more than one over a few slots (on a CPU, markedly: docs/BENCHMARKS-AMD.md, "The
     block size on this CPU"), and where drafts past the first few are rarely worth verifying
-    (prose, a weak drafter) that cost buys nothing. A running mean of how deep the verified drafts from the drafter went
-    (``record``) sets the next block (``block``): the smallest power of two whose drafts reach
-    ``REACH_HEADROOM`` times that deep, the whole block before anything was recorded. Verified
-    drafts reaching the block's end raise the mean, so the block doubles where the text becomes
-    predictable again. Where verifying more rows costs next to nothing (a GPU), the verified
-    drafts go as deep as the drafter is confident and the block stays whole."""
+    (prose, a weak drafter) that cost buys nothing. A running mean of how deep the verified
+    drafts from the drafter went (``record``) sets the next block (``block``): the smallest power
+    of two whose drafts reach ``REACH_HEADROOM`` times that deep, the whole block before anything
+    was recorded. Verified drafts reaching the block's end raise the mean, so the block doubles
+    where the text becomes predictable again. Where verifying more rows costs next to nothing (a
+    GPU), the verified drafts go as deep as the drafter is confident and the block stays whole."""
 
     def __init__(self) -> None:
         self.depth: float | None = None
