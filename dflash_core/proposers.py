@@ -114,6 +114,14 @@ class DraftingMeter:
         w = DRAFT_COST_WEIGHT
         self.alone = seconds if self.alone is None else (1 - w) * self.alone + w * seconds
 
+    def observe(self, draft: Draft, tokens: int, seconds: float) -> None:
+        """A cycle committed ``tokens`` in ``seconds``: a drafting cycle's record, or a cycle of
+        the target alone's (a lookup guess verified alone is neither)."""
+        if draft.drafter_ran:
+            self.record(tokens, seconds)
+        elif not draft.lookup_only:
+            self.record_alone(seconds)
+
 
 @dataclass
 class Outcome:
@@ -311,10 +319,7 @@ class ChainProposer:
     def observe(self, draft: ChainDraft, outcome: Outcome, committed: list[int], features: torch.Tensor | None,
                 start: int, draft_s: float, cycle_s: float) -> None:
         if self.meter is not None:
-            if draft.drafter_ran:
-                self.meter.record(len(committed), cycle_s)
-            else:
-                self.meter.record_alone(cycle_s)
+            self.meter.observe(draft, len(committed), cycle_s)
         self.block.saw(features, start, draft.drafter_ran)
 
 
@@ -391,10 +396,7 @@ class TreeProposer:
                 features: torch.Tensor | None, start: int, draft_s: float, cycle_s: float) -> None:
         w = DRAFT_COST_WEIGHT
         if self.meter is not None:
-            if draft.drafter_ran:
-                self.meter.record(len(committed), cycle_s)
-            elif not draft.lookup_only:
-                self.meter.record_alone(cycle_s)
+            self.meter.observe(draft, len(committed), cycle_s)
         if draft.drafter_ran:
             self.draft_cost = draft_s if self.draft_cost is None else (1 - w) * self.draft_cost + w * draft_s
             if outcome.lookup_kept == 0:
