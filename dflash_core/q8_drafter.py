@@ -2,10 +2,9 @@
 (``int8_rows.Q8Q8DotWeight``), each layer's decode pass a handful of calls, on CPU.
 
 A drafter pass is paid every cycle. Beside the int4 and int8 targets its layers run inductor's
-int8 weight-only GEMM, which on an AVX512-BF16 CPU without AMX widens rows and codes to fp32: a
-16-row pass of a three-layer drafter then cost 6.6-7.0 ms of a 33 ms cycle beside the int4 target
-on the EPYC measured (``make benchmarks-bars``; 4.1-4.5 ms this way, 3.3 ms with the whole pass in
-one C++ call, ``FusedDrafterPass``: docs/BENCHMARKS-AMD.md). Here its matrices
+int8 weight-only GEMM, which on an AVX512-BF16 CPU without AMX widens rows and codes to fp32 and
+drafts markedly slower than this way, the whole pass in one C++ call (``FusedDrafterPass``) faster
+still (``make benchmarks-bars``' draft times per cycle: docs/BENCHMARKS-AMD.md). Here its matrices
 are quantized to Q8_0 (groups of 32, ``weight_formats.quantize_q8``) and each layer's decode pass
 is: the block's rows through QKV with the input norm inside the call, the new context's rows
 (not normed, as in z-lab's layer) through the same matrix, the per-head norms, rotary and the

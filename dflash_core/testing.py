@@ -27,6 +27,9 @@ TINY_SLIDING_WINDOW = 8  # gpt_oss: small, so generations of a few dozen tokens 
 
 # Prompts of several shapes: ordinary, one token, longer than the sliding window, repetitive
 # (prompt lookup finds n-grams in the last one).
+# What tests that stop or close a long answer ask the real default pair: SmolLM2 counts on to any
+# token budget, where a story can end (EOS) within a second, before Stop or a closed page lands.
+RUNS_TO_BUDGET = "Count from 1 to 1000 in words, one number per line."
 PROMPTS = [[5, 17, 42, 8, 9, 60], [11], [70, 71, 72, 73, 74, 75, 76, 77, 78, 79, 80, 30, 31], [4, 4, 4, 4, 9, 12, 33]]
 
 

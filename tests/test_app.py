@@ -14,7 +14,7 @@ import pytest
 
 from app.charts import CHARTS
 from dflash_core import cli
-from dflash_core.testing import generate_in_page, open_studio, wait_for_status
+from dflash_core.testing import RUNS_TO_BUDGET, generate_in_page, open_studio, wait_for_status
 
 pytestmark = pytest.mark.slow
 PROMPT = "Name three colours of the rainbow."
@@ -105,7 +105,7 @@ def wait_until_idle(client, pair: str, timeout: float = 30.0) -> dict:
 
 def test_cancelling_stops_the_run_and_the_next_request_works(client):
     pair = default_pair()
-    job = client.submit("Count from 1 to 1000 in words, one number per line.", 1500, 16, 0.0, pair, api_name="/generate")
+    job = client.submit(RUNS_TO_BUDGET, 1500, 16, 0.0, pair, api_name="/generate")
     seen = 0
     for _ in job:
         seen += 1
@@ -207,10 +207,8 @@ def test_real_browser_runs_a_generation_and_shows_coloured_tokens_and_plots(app_
         assert shown == json.loads(capsys.readouterr().out)["text"]
         shot.parent.mkdir(parents=True, exist_ok=True)
         page.screenshot(path=str(shot), full_page=True)
-        # Stop really stops: a long run, Stop, then the status says so. (Answers that run to the token
-        # budget: the default pair can finish a story on its own within seconds.)
-        generate_in_page(page, "Count from 1 to 1000 in words, one number per line.", until="running",
-                         max_new_tokens=1500)
+        # Stop really stops: a long run, Stop, then the status says so.
+        generate_in_page(page, RUNS_TO_BUDGET, until="running", max_new_tokens=1500)
         # While it runs, the page's own event stream brings the tokens and the counters live.
         page.wait_for_function("() => document.querySelectorAll('#dfs-dflash .tok').length >= 3"
                                " && (document.querySelector('#dfs-dflash-counters')?.innerText || '').includes('running')"
@@ -219,8 +217,7 @@ def test_real_browser_runs_a_generation_and_shows_coloured_tokens_and_plots(app_
         page.locator("#dfs-stop").click()
         wait_for_status(page, "stopped", 60_000)
         # A tab closed in the middle of a run frees the engine: a new tab is served normally.
-        generate_in_page(page, "Count from 1000 down to 1 in words, one number per line.", until="running",
-                         max_new_tokens=1500)
+        generate_in_page(page, RUNS_TO_BUDGET, until="running", max_new_tokens=1500)
         page.close()
         from gradio_client import Client
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from dflash_core.messages import encode_messages
-from dflash_core.testing import (browser_session, contains_run as has, empty_think_block, live_messages,
+from dflash_core.testing import (RUNS_TO_BUDGET, browser_session, contains_run as has, empty_think_block, live_messages,
                                  open_studio, stop_at_first_live_update, thinking_registry)
 from dflash_core.speculative import GenerationConfig, collect
 
@@ -166,7 +166,7 @@ def test_stop_ends_the_answer_within_a_cycle_and_keeps_what_was_said(studio):
     def clear_is_refused() -> None:  # not while answering
         assert "press Stop first" in studio.chat.clear(Request())[v.status]
 
-    rest = stop_at_first_live_update(studio, say(studio, "Count from 1 to 1000 in words, one number per line.", [], max_new=1500),
+    rest = stop_at_first_live_update(studio, say(studio, RUNS_TO_BUDGET, [], max_new=1500),
                                      v.live_update, Request(), while_running=clear_is_refused)
     assert "stopped" in rest[-1][v.status]
     answer = history_of(studio, rest)[-1]
@@ -385,8 +385,7 @@ def test_real_browser_chat_two_turns_a_baseline_for_the_first_and_stop(app_url):
         # Stop ends a long answer; what it had said stays, marked as stopped.
         page.locator("#dfs-chat-max-new input[type=number]").fill("1500")
         page.locator("#dfs-chat-max-new input[type=number]").press("Enter")
-        # (an answer that runs to the token budget: a story could end on its own before Stop lands)
-        send_in_browser(page, "Count from 1 to 1000 in words, one number per line.", "answering")
+        send_in_browser(page, RUNS_TO_BUDGET, "answering")
         page.wait_for_function("() => document.querySelectorAll('#dfs-chat-conv .dfs-text[data-run] .tok').length > 0",
                                timeout=120_000)
         page.locator("#dfs-chat-stop").click()

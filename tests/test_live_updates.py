@@ -12,16 +12,13 @@ import time
 
 import pytest
 
-from dflash_core.testing import (browser_session, live_channel, live_messages, run_until_live,
+from dflash_core.testing import (RUNS_TO_BUDGET, browser_session, live_channel, live_messages, run_until_live,
                                  stop_at_first_live_update)
 
 from dflash_core.speculative import GenerationConfig
 
 pytestmark = pytest.mark.slow
 PROMPT = "Write a Python function that checks whether a string is a palindrome."
-# An answer that runs to the token budget: the default pair can finish a short answer (EOS) within
-# a second, before Stop or a closed page lands.
-LONG_PROMPT = "Count from 1 to 1000 in words, one number per line."
 
 
 Request = browser_session("test-session")
@@ -77,7 +74,7 @@ def test_each_token_and_cycle_is_sent_once_and_the_final_panes_are_the_record(st
 
 def test_stop_ends_the_engine_within_a_cycle(studio):
     v = studio.views
-    rest = stop_at_first_live_update(studio, run_compare(studio, 1500, variant=(False, False, False), prompt=LONG_PROMPT),
+    rest = stop_at_first_live_update(studio, run_compare(studio, 1500, variant=(False, False, False), prompt=RUNS_TO_BUDGET),
                                      v.live_update, Request())
     assert "stopped" in rest[-1][v.status]
     assert studio.stop(Request()) == "Nothing is running."
@@ -94,7 +91,7 @@ def test_a_closed_page_frees_the_engine_within_a_cycle(studio, monkeypatch):
             time.sleep(0.01)
             return _pass(*args, **kwargs)
         monkeypatch.setattr(runner, name, slower)
-    channel, finish = run_until_live(run_compare(studio, 1500, baseline=False, prompt=LONG_PROMPT), v.live_update)
+    channel, finish = run_until_live(run_compare(studio, 1500, baseline=False, prompt=RUNS_TO_BUDGET), v.live_update)
     # The page's event stream opens and closes (the tab went away); a reconnecting page would be
     # given ``grace_s`` to come back, which this test does not wait for.
     channel.grace_s = 0.0
