@@ -66,8 +66,9 @@ class CycleRecord:
     tokens_so_far: int
     tree_nodes: int = 0  # drafts verified as a tree (``drafted`` is one path through them); 0: a chain
     lookup_nodes: int = 0  # verified drafts that prompt lookup proposed
-    lookup_only: bool = False  # the drafter did not run this cycle (prompt lookup's guess alone)
-    lookup_drafted: int = 0  # the first this many of ``drafted`` were guessed by prompt lookup
+    lookup_only: bool = False  # the drafter did not run this cycle (lookup's guesses alone)
+    lookup_drafted: int = 0  # the first this many of ``drafted`` were guessed by a lookup
+    answer_nodes: int = 0  # verified drafts guessed from the model's earlier answers
 
 
 @dataclass
@@ -145,7 +146,7 @@ class RunRecord:
                 target_choices=convert(event.target_choices), committed=len(ids), draft_s=event.draft_s,
                 verify_s=event.verify_s, at_s=now, tokens_so_far=event.tokens_so_far, tree_nodes=event.tree_nodes,
                 lookup_nodes=event.lookup_nodes, lookup_only=event.lookup_only,
-                lookup_drafted=event.lookup_drafted,
+                lookup_drafted=event.lookup_drafted, answer_nodes=event.answer_nodes,
             ))
         self.timeline.append((now, self.num_tokens))
         self.elapsed_s = now

@@ -12,7 +12,7 @@ LEGEND = (
     '<span class="tok tok-target">target\'s own token</span>'
     '<span class="tok tok-rejected">rejected draft</span>'
     '<span class="tok tok-unused">draft never checked</span>'
-    '<span class="tok tok-lookup">cycle log, dashed: guessed by prompt lookup</span></div>'
+    '<span class="tok tok-lookup">cycle log, dashed: guessed by lookup</span></div>'
 )
 
 
@@ -61,7 +61,7 @@ def cycle_html(cycle: CycleRecord) -> str:
         else:
             cls, note = "tok-unused", "discarded after the first mismatch"
         if k < cycle.lookup_drafted:
-            cls, note = cls + " tok-lookup", note + " · guessed by prompt lookup"
+            cls, note = cls + " tok-lookup", note + " · guessed by lookup (this text or the model's earlier answers)"
         chips.append(f'<span class="tok {cls}" title="{_esc(f"slot {k + 1} · confidence {conf:.2f} · {note}")}">'
                       f"{_esc(_visible(text))}</span>")
     chips.append(f'<span class="dfs-arrow">→</span><span class="tok tok-target" title="the target\'s own token">'
@@ -76,8 +76,12 @@ def cycle_html(cycle: CycleRecord) -> str:
     if cycle.lookup_nodes:
         header += (f' · <span class="dfs-lookup" title="drafts copied from what followed the last tokens where they '
                    f'occurred before (prompt lookup), checked in the same pass">{cycle.lookup_nodes} from prompt lookup</span>')
+    if cycle.answer_nodes:
+        header += (f' · <span class="dfs-lookup" title="drafts copied from what most often followed the last tokens in '
+                   f'the model\'s own answers to other questions, checked in the same pass">{cycle.answer_nodes} from '
+                   f'earlier answers</span>')
     if cycle.lookup_only:
-        header += (' · <span class="dfs-lookup" title="the guess was likely enough to be verified alone: the drafter '
+        header += (' · <span class="dfs-lookup" title="the guesses were likely enough to be verified alone: the drafter '
                    'did not run this cycle">drafter skipped</span>')
     return f'<div class="dfs-cycle"><div class="dfs-cycle-head">{header}</div><div>{"".join(chips)}</div></div>'
 

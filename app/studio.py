@@ -446,7 +446,8 @@ def build_studio(service: StudioService | None = None) -> tuple[Studio, gr.Block
                         tree = gr.Checkbox(value=True, label="Tree verification: check the drafter's likeliest "
                                            "continuations as a tree in one target pass (same output)", elem_id="dfs-tree")
                         lookup = gr.Checkbox(value=True, label="Prompt lookup: also check, in the same pass, what followed "
-                                             "the last tokens where they occurred before (same output)", elem_id="dfs-lookup")
+                                             "the last tokens where they occurred before, in this text or in the model's own "
+                                             "earlier answers (same output)", elem_id="dfs-lookup")
                     thinking = gr.Checkbox(value=False, interactive=False, label="Thinking mode", elem_id="dfs-thinking",
                                            info=THINKING_UNTIL_LOADED)
                     with gr.Row():

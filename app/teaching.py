@@ -42,7 +42,10 @@ def explanation_md() -> str:
         "its arguments, a phrase of the question. Where the last few tokens occurred earlier, what followed them "
         "then is a free guess at what follows now. That guess joins the drafter's drafts as one more branch of "
         "the same tree, checked in the same pass: the drafter is good at the next few tokens, the copy at long "
-        "repeated runs. Any guess can only change how many tokens a cycle keeps, never which."
+        "repeated runs. Where the model came with its own earlier answers (SmolLM2 does: its answers to the "
+        "training prompts), a second guess comes from them: what most often followed the same last tokens "
+        "there, since a small model says the same things in the same words. Any guess can only change how many "
+        "tokens a cycle keeps, never which."
     )
 
 

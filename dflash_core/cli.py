@@ -79,7 +79,7 @@ def result_json(engine: Any, result: Any, mode: str, prompt_tokens: int) -> dict
         {"drafted": e.drafted, "num_accepted": e.num_accepted, "bonus": e.bonus, "committed": e.committed,
          "draft_s": round(e.draft_s, 6), "verify_s": round(e.verify_s, 6), "tree_nodes": e.tree_nodes,
          "lookup_nodes": e.lookup_nodes, "lookup_only": e.lookup_only,
-         "lookup_drafted": e.lookup_drafted}
+         "lookup_drafted": e.lookup_drafted, "answer_nodes": e.answer_nodes}
         for e in result.cycles
     ] if mode == "dflash" else []
     return {

@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterator
 from . import calibration
 from .errors import SettingsError
 from .loading import LoadedPair, Progress, load_pair
+from .corpus import AnswerCorpus, load_corpus
 from .lookup import LookupStats
 from .messages import encode_messages
 from .prompting import check_fits_context, encode_prompt, has_thinking_switch, max_new_tokens_limit, stop_token_ids
@@ -40,6 +41,8 @@ class Engine:
         self._tree_costs: tuple[float, float] | None = None
         # Prompt lookup's chances, carried from one generation to the next (recent ones weigh most).
         self.lookup_stats = LookupStats(memory=LOOKUP_MEMORY)
+        # The same for guesses from the target's own earlier answers (the pair's lookup_answers).
+        self.corpus_stats = LookupStats(memory=LOOKUP_MEMORY)
         # What the latest run did, kept so front ends can show (and tests can check) that a run
         # whose consumer went away really stopped: cycles, tokens, and how it ended.
         self.last_run: dict[str, Any] | None = None
@@ -139,8 +142,9 @@ class Engine:
                     costs = self.verify_costs() if config.adaptive and drafter is not None else None
                     shaped = config.adaptive and (config.tree or config.lookup) and drafter is not None
                     tree_costs = self.tree_costs() if shaped else (0.0, 0.0)
+                    answers = self.answers() if config.lookup and drafter is not None else None
                     for event in stream(self.target.runner, drafter, prompt_ids, config, self.stop_ids, should_stop,
-                                        costs, tree_costs, self.lookup_stats):
+                                        costs, tree_costs, self.lookup_stats, answers):
                         run["cycles"] += 1
                         run["tokens"] += len(event.committed)
                         run["finish_reason"] = event.finish_reason
@@ -169,6 +173,15 @@ class Engine:
             collect(self.stream_ids(resolved.prompt_ids, resolved.config))
         self.last_run, self.runs = None, 0
         self.lookup_stats = LookupStats(memory=LOOKUP_MEMORY)
+        self.corpus_stats = LookupStats(memory=LOOKUP_MEMORY)
+
+    def answers(self) -> tuple[AnswerCorpus, LookupStats] | None:
+        """The target's own answers, indexed on first need (a few seconds; ``load_corpus`` keeps
+        one per process), with their chances: a second source of lookup guesses. None where the
+        pair names none (``lookup_answers`` in models.toml)."""
+        if self.pair.lookup_answers is None:
+            return None
+        return load_corpus(self.pair.lookup_answers), self.corpus_stats
 
     @property
     def busy(self) -> bool:
@@ -213,4 +226,5 @@ class Engine:
             "kernels": getattr(self.target.runner, "kernels", None),  # FastTarget's: onednn | aoti
             "enable_thinking": self.pair.enable_thinking,
             "thinking_switch": self.thinking_switch,
+            "lookup_answers": self.pair.lookup_answers,  # the target's own answers lookup also guesses from
         }

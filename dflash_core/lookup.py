@@ -103,30 +103,39 @@ class LookupStats:
         return (self._hits.get(key, 0.0) + self.prior * self.prior_weight) / (self._tries.get(key, 0.0) + self.prior_weight)
 
     def probabilities(self, match: int, count: int) -> list[float]:
-        return [self.probability(match, d) for d in range(1, count + 1)]
+        return self.chances([match] * count)
+
+    def chances(self, keys: Sequence[int]) -> list[float]:
+        """The chance of each token of a guess whose ``i``-th token is in bucket ``keys[i]``
+        (prompt lookup: its match length for all; the answers' guesses: ``corpus.chance_keys``)."""
+        return [self.probability(key, depth) for depth, key in enumerate(keys, 1)]
 
     def record(self, match: int, verified: int, kept: int) -> None:
         """A cycle verified the guess's first ``verified`` tokens and kept the first ``kept``: the
         tokens up to the first rejected one were tried (their parents were kept)."""
-        for depth in range(1, min(verified, kept + 1) + 1):
-            key = self._key(match, depth)
+        self.record_keys([match] * verified, kept)
+
+    def record_keys(self, keys: Sequence[int], kept: int) -> None:
+        """``record`` for a guess whose verified tokens are in buckets ``keys``."""
+        for depth in range(1, min(len(keys), kept + 1) + 1):
+            key = self._key(keys[depth - 1], depth)
             self._tries[key] = self._tries.get(key, 0.0) * self.keep + 1
             self._hits[key] = self._hits.get(key, 0.0) * self.keep + (depth <= kept)
 
 
-def worth_drafting(lookup_gains: Sequence[float], verify_cost: float, draft_cost: float, drafter_gain: float) -> bool:
-    """Whether a cycle whose lookup guess is expected to add ``lookup_gains`` (the expected count
-    kept at each depth) should also run the drafter.
+def worth_drafting(expected: float, first: float, verify_cost: float, draft_cost: float, drafter_gain: float) -> bool:
+    """Whether a cycle whose lookup guesses are expected to add ``expected`` tokens (the chance
+    of each guessed node being kept, summed), ``first`` of them at the first draft's place (the
+    chance that one of the guesses' first tokens is kept), should also run the drafter.
 
-    Drafting costs ``draft_cost``; its drafts mostly matter where the guess fails at once (with
-    chance ``1 - lookup_gains[0]``), and then add ``drafter_gain`` tokens on average. Taking the
-    verify cost as ``verify_cost`` either way, drafting pays when
-    ``(1 + E + (1 - q1) * D) / (draft + verify) > (1 + E) / verify``.
+    Drafting costs ``draft_cost``; its drafts mostly matter where the guesses fail at once (with
+    chance ``1 - first``), and then add ``drafter_gain`` tokens on average. Taking the verify
+    cost as ``verify_cost`` either way, drafting pays when
+    ``(1 + E + (1 - first) * D) / (draft + verify) > (1 + E) / verify``.
     """
-    if not lookup_gains:
+    if expected <= 0:
         return True
-    expected = 1.0 + sum(lookup_gains)
-    return (1.0 - lookup_gains[0]) * drafter_gain * verify_cost > expected * draft_cost
+    return (1.0 - first) * drafter_gain * verify_cost > (1.0 + expected) * draft_cost
 
 
 def graft(tree: DraftTree, tokens: Sequence[int], probs: Sequence[float], budget: int) -> DraftTree:

@@ -7,8 +7,9 @@ the target kept; the loop (``speculative.stream``) never knows which proposer it
 * ``ChainProposer``: the DFlash drafter's block as one chain, each slot's likeliest token (or,
   for a rule that reads ``q``, a draw from it); adaptive: cut to the length that pays best.
 * ``TreeProposer``: the drafter's likeliest continuations as a tree (``tree.py``), with prompt
-  lookup's guess grafted in (``lookup.py``); adaptive: cut to the prefix that pays best, and a
-  confident guess verified alone, without running the drafter.
+  lookup's guess (``lookup.py``) and the target's earlier answers' guess (``corpus.py``) grafted
+  in; adaptive: cut to the prefix that pays best, and confident guesses verified alone, without
+  running the drafter.
 
 Adaptive proposers also let the drafter sit out while drafting does not pay
 (``DraftingMeter``), and fill a block only as deep as recent cycles' verified drafts went
@@ -30,6 +31,7 @@ from typing import Callable, Protocol, Sequence
 import torch
 
 from .acceptance import Sampling, SampledDrafts, Verdict, sample
+from .corpus import MAX_BACK, NGRAMS, AnswerCorpus, chance_keys
 from .drafter import DFlashDrafter
 from .lookup import LookupStats, NgramIndex, graft, worth_drafting
 from .target import TargetOutput, TargetRunner
@@ -132,8 +134,9 @@ class Outcome:
     drafted: list[int]  # the drafts an event shows: the kept ones first
     confidence: list[float]  # the drafter's probability of each of ``drafted``
     target_choices: list[int]  # the target's token at each node of the shown path ([] if the rule drew none)
-    lookup_drafted: int = 0  # how many of ``drafted`` (from the first) prompt lookup guessed
+    lookup_drafted: int = 0  # how many of ``drafted`` (from the first) a lookup (prompt or answers) guessed
     lookup_kept: int = 0  # how many of prompt lookup's verified nodes were kept
+    corpus_kept: int = 0  # how many of the answers' guess's verified nodes were kept
     kept_nodes: list[int] = field(default_factory=list)  # a tree's kept path, root first
 
 
@@ -142,9 +145,11 @@ class Draft:
     """What every draft shape carries besides its tokens."""
 
     drafter_ran: bool = False  # the drafter ran this cycle (it has now seen its old context)
-    lookup_only: bool = False  # prompt lookup's guess alone: the drafter did not run
-    lookup_path: list[int] = field(default_factory=list)  # verified nodes on lookup's guess, root excluded
+    lookup_only: bool = False  # lookup's guesses alone: the drafter did not run
+    lookup_path: list[int] = field(default_factory=list)  # verified nodes on prompt lookup's guess, root excluded
     lookup_match: int = 0  # the match length behind that guess (``NgramIndex.continuation``)
+    corpus_path: list[int] = field(default_factory=list)  # verified nodes on the answers' guess (``corpus.py``)
+    corpus_keys: list[int] = field(default_factory=list)  # the chance bucket of each of its tokens (``corpus.chance_keys``)
     sampled: SampledDrafts | None = None  # drafts drawn from q, for a rule that reads it
 
     @property
@@ -179,8 +184,9 @@ class ChainDraft(Draft):
             accepted = next((i for i, (d, t) in enumerate(zip(drafted, choices)) if d != t), k)
             bonus = choices[accepted]
         # A chain's lookup nodes are its first ones.
-        return Outcome(accepted, bonus, drafted, values[h + k + c :], choices, lookup_drafted=len(self.lookup_path),
-                       lookup_kept=min(len(self.lookup_path), accepted))
+        return Outcome(accepted, bonus, drafted, values[h + k + c :], choices,
+                       lookup_drafted=max(len(self.lookup_path), len(self.corpus_path)),
+                       lookup_kept=min(len(self.lookup_path), accepted), corpus_kept=min(len(self.corpus_path), accepted))
 
     def commit(self, target: TargetRunner, outcome: Outcome, features: torch.Tensor | None,
                start: int) -> torch.Tensor | None:
@@ -207,12 +213,14 @@ class TreeDraft(Draft):
         choices = verdict.choices.tolist()  # the cycle's one host transfer
         kept, bonus = walk(tree, choices)
         shown = best_extension(tree, kept)
-        lookup = set(self.lookup_path)
-        # All three are paths from the root: what they share with the lookup's is a prefix.
+        lookup, corpus = set(self.lookup_path), set(self.corpus_path)
+        # All three are paths from the root: what they share with a guess's path is a prefix.
         return Outcome(len(kept) - 1, bonus, [tree.tokens[n] for n in shown[1:]],
                        [tree.scores[n] / tree.scores[tree.parents[n]] for n in shown[1:]],
-                       [choices[n] for n in shown], lookup_drafted=len(lookup.intersection(shown[1:])),
-                       lookup_kept=len(lookup.intersection(kept)), kept_nodes=kept)
+                       [choices[n] for n in shown],
+                       lookup_drafted=max(len(lookup.intersection(shown[1:])), len(corpus.intersection(shown[1:]))),
+                       lookup_kept=len(lookup.intersection(kept)), corpus_kept=len(corpus.intersection(kept)),
+                       kept_nodes=kept)
 
     def commit(self, target: TargetRunner, outcome: Outcome, features: torch.Tensor | None,
                start: int) -> torch.Tensor | None:
@@ -323,69 +331,97 @@ class ChainProposer:
         self.block.saw(features, start, draft.drafter_ran)
 
 
+@dataclass
+class Guess:
+    """A lookup's guess at the next tokens: the tokens, the match behind them, each one's chance
+    and chance bucket (``LookupStats``)."""
+
+    tokens: list[int]
+    match: int
+    chances: list[float]
+    keys: list[int]
+
+
 class TreeProposer:
     """The drafter's likeliest continuations as a tree (``branching`` candidates per slot; 1:
-    its chain), with prompt lookup's guess grafted in when ``lookup`` is given. With
-    ``verify_costs``: the prefix of the tree that pays best (``_draft_tree``), and a confident
-    guess verified alone when running the drafter would not pay for itself (``worth_drafting``).
+    its chain), with prompt lookup's guess grafted in when ``lookup`` is given, and the target's
+    earlier answers' guess too when ``corpus`` is (with ``lookup`` only: it reads lookup's text).
+    With ``verify_costs``: the prefix of the tree that pays best (``_draft_tree``), and confident
+    guesses verified alone when running the drafter would not pay for itself (``worth_drafting``).
     A tree that comes out as a chain is verified as one (the plain forward is cheaper)."""
 
     def __init__(self, block: DrafterBlock, branching: int, lookup: tuple[NgramIndex, LookupStats] | None,
                  verify_costs: Sequence[float] | None, tree_costs: tuple[float, float],
-                 now: Callable[[], float]) -> None:
+                 now: Callable[[], float], corpus: tuple[AnswerCorpus, LookupStats] | None = None) -> None:
         self.block, self.branching, self.lookup = block, branching, lookup
+        self.corpus = corpus if lookup is not None else None
         self.verify_costs, self.tree_costs, self.now = verify_costs, tree_costs, now
         # Running means, for skipping the drafter: a drafting phase's time, and the tokens the
-        # drafter adds where the guess fails at once.
+        # drafter adds where the guesses fail at once.
         self.draft_cost: float | None = None
         self.drafter_gain = 1.0
         self.meter = DraftingMeter(verify_costs) if verify_costs else None
         self.reach = DrafterReach() if verify_costs else None
 
-    def _guess(self, count: int) -> tuple[list[int], int, list[float]]:
-        """Prompt lookup's next ``count`` tokens, its match length and each token's chance."""
+    def _guesses(self, count: int) -> tuple[Guess, Guess]:
+        """Prompt lookup's and the answers' next ``count`` tokens (empty guesses where off)."""
+        none = Guess([], 0, [], [])
         if self.lookup is None:
-            return [], 0, []
+            return none, none
         index, stats = self.lookup
-        guess, match = index.continuation(count)
-        return guess, match, stats.probabilities(match, len(guess))
+        tokens, match = index.continuation(count)
+        prompt = Guess(tokens, match, stats.probabilities(match, len(tokens)), [match] * len(tokens))
+        if self.corpus is None:
+            return prompt, none
+        corpus, corpus_stats = self.corpus
+        tokens, match, support = corpus.continuation(index.tokens[-(NGRAMS[0] + MAX_BACK):], count)
+        keys = chance_keys(match, support)
+        return prompt, Guess(tokens, match, corpus_stats.chances(keys), keys)
 
-    def _guess_alone(self, anchor: int, guess: list[int], chances: list[float],
+    def _guess_alone(self, anchor: int, guesses: Sequence[Guess], budget: int,
                      drafter_sits_out: bool = False) -> DraftTree | None:
-        """The guess's best prefix as a chain, when it is worth verifying without running the
-        drafter (or the drafter sits out this cycle); else None."""
-        if not (self.verify_costs and guess and (self.draft_cost is not None or drafter_sits_out)):
+        """The guesses' best prefix (a chain, or a tree where both are worth verifying), when it
+        is worth verifying without running the drafter (or the drafter sits out this cycle); else None."""
+        guesses = [g for g in guesses if g.tokens]
+        if not (self.verify_costs and guesses and (self.draft_cost is not None or drafter_sits_out)):
             return None
-        gains = list(itertools.accumulate(chances, operator.mul))  # expected tokens kept at each depth
-        keep = best_count_and_rate(gains, self.verify_costs)[0]
-        if keep == 0:
+        tree = DraftTree([anchor], [-1], [0], [1.0])
+        for guess in guesses:
+            tree = graft(tree, guess.tokens, guess.chances, budget)
+        tree, _ = _best_prefix(tree, self.verify_costs, 0.0, self.tree_costs)
+        nodes = len(tree) - 1
+        if nodes == 0:
             return None
-        if not drafter_sits_out and worth_drafting(gains[:keep], self.verify_costs[keep], self.draft_cost,
-                                                   self.drafter_gain):
+        expected = sum(tree.scores[1:])  # the chance of each node being kept, summed: tokens kept on average
+        first = sum(tree.scores[n] for n in range(1, len(tree)) if tree.depths[n] == 1)
+        if not drafter_sits_out and worth_drafting(expected, first, self.verify_costs[min(nodes, len(self.verify_costs) - 1)],
+                                                   self.draft_cost, self.drafter_gain):
             return None
-        return chain_tree(anchor, guess[:keep], gains[:keep])
+        return depth_first(tree)
 
     def propose(self, anchor: int, start: int, size: int, started: float) -> ChainDraft | TreeDraft:
         device = self.block.target.device
         if size <= 1:
             return _no_drafts(anchor, device)
-        guess, match, chances = self._guess(size - 1)
-        if self.meter is not None and not self.meter.drafting():  # the drafter sits out: the guess alone, if any
-            tree = self._guess_alone(anchor, guess, chances, drafter_sits_out=True)
+        prompt, answers = self._guesses(size - 1)
+        if self.meter is not None and not self.meter.drafting():  # the drafter sits out: the guesses alone, if any
+            tree = self._guess_alone(anchor, (prompt, answers), size - 1, drafter_sits_out=True)
             if tree is None:
                 return _no_drafts(anchor, device)
         else:
-            tree = self._guess_alone(anchor, guess, chances)
+            tree = self._guess_alone(anchor, (prompt, answers), size - 1)
         alone = tree is not None
         if not alone:
             logits, columns = self.block.logits(anchor, start, size if self.reach is None else self.reach.block(size))
             tree = _draft_tree(logits, columns, anchor, size - 1, self.verify_costs, self.now() - started,
-                               self.tree_costs, self.branching, (guess, chances))
-        lookup_path = tree.find_path(guess)
+                               self.tree_costs, self.branching,
+                               [(g.tokens, g.chances) for g in (prompt, answers) if g.tokens])
+        lookup_path, corpus_path = tree.find_path(prompt.tokens), tree.find_path(answers.tokens)
         if not alone and self.reach is not None:  # how deep the drafter's own nodes went
-            guessed = set(lookup_path)
+            guessed = set(lookup_path) | set(corpus_path)
             self.reach.record(max((tree.depths[n] for n in range(1, len(tree)) if n not in guessed), default=0))
-        shared = dict(drafter_ran=not alone, lookup_only=alone, lookup_path=lookup_path, lookup_match=match)
+        shared = dict(drafter_ran=not alone, lookup_only=alone, lookup_path=lookup_path, lookup_match=prompt.match,
+                      corpus_path=corpus_path, corpus_keys=answers.keys[: len(corpus_path)])
         if not tree.is_chain():
             return TreeDraft(tree=tree, **shared)
         return ChainDraft(anchor=anchor, tokens=torch.tensor(tree.tokens[1:], dtype=torch.long, device=device),
@@ -399,12 +435,14 @@ class TreeProposer:
             self.meter.observe(draft, len(committed), cycle_s)
         if draft.drafter_ran:
             self.draft_cost = draft_s if self.draft_cost is None else (1 - w) * self.draft_cost + w * draft_s
-            if outcome.lookup_kept == 0:
+            if outcome.lookup_kept == 0 and outcome.corpus_kept == 0:
                 self.drafter_gain = (1 - w) * self.drafter_gain + w * outcome.num_accepted
         if self.lookup is not None:
             index, stats = self.lookup
             if draft.lookup_path:
                 stats.record(draft.lookup_match, len(draft.lookup_path), outcome.lookup_kept)
+            if self.corpus is not None and draft.corpus_path:
+                self.corpus[1].record_keys(draft.corpus_keys, outcome.corpus_kept)
             index.extend(committed)
         self.block.saw(features, start, draft.drafter_ran)
 
@@ -412,36 +450,44 @@ class TreeProposer:
 def _draft_tree(logits: torch.Tensor, columns: torch.Tensor | None, anchor: int, budget: int,
                 verify_costs: Sequence[float] | None, t1_cost: float,
                 tree_costs: tuple[float, float] = (0.0, 0.0), branching: int = BRANCHING,
-                lookup: tuple[Sequence[int], Sequence[float]] = ((), ())) -> DraftTree:
+                guesses: Sequence[tuple[Sequence[int], Sequence[float]]] = ()) -> DraftTree:
     """The draft tree of a cycle: the ``budget`` likeliest drafts (each node branching into at
-    most ``branching`` candidates; 1: the drafter's chain), with ``lookup``'s path (tokens, the
-    chance of each) grafted in; or with ``verify_costs`` the prefix of them (best first) that
-    maximises expected tokens per second, a tree with ``P > 1`` root-to-leaf paths costing
-    ``branching + (P - 2) * per_path`` more than a chain."""
+    most ``branching`` candidates; 1: the drafter's chain), with each of ``guesses``' paths
+    (tokens, the chance of each) grafted in; or with ``verify_costs`` the prefix of them (best
+    first) that maximises expected tokens per second (``_best_prefix``)."""
     top_probs, top_ids = torch.softmax(logits.float(), -1).topk(min(branching, logits.shape[-1]), -1)
     if columns is not None:
         top_ids = columns[top_ids]
     tree = build_tree(anchor, top_probs.tolist(), top_ids.tolist(), budget)
-    if len(lookup[0]):
-        tree = graft(tree, lookup[0], lookup[1], budget)
+    for tokens, chances in guesses:
+        if len(tokens):
+            tree = graft(tree, tokens, chances, budget)
     if verify_costs:
-        # Node scores never increase along the node order, and parents come first: any prefix
-        # of the nodes is a tree, and the best prefix is found like a chain's best length.
-        extra, leaves, has_child = [], 0, set()
-        for parent in tree.parents[1:]:
-            leaves += 1 if parent in has_child or not has_child else 0  # a new branch, or the first node
-            has_child.add(parent)
-            extra.append(0.0 if leaves < 2 else tree_costs[0] + tree_costs[1] * (leaves - 2))
-        keep, rate = best_count_and_rate(tree.scores[1:], verify_costs, t1_cost, extra)
+        tree, rate = _best_prefix(tree, verify_costs, t1_cost, tree_costs)
         # A prefix of the best-first order stops the chain where the first branch would come; a
         # longer chain of top drafts may pay better than any branching.
         chain_scores = top_probs[:, 0].cumprod(0).tolist()
         chain_keep, chain_rate = best_count_and_rate(chain_scores, verify_costs, t1_cost)
         if chain_rate > rate:
             return chain_tree(anchor, top_ids[:chain_keep, 0].tolist(), chain_scores[:chain_keep])
-        keep += 1
-        tree = DraftTree(tree.tokens[:keep], tree.parents[:keep], tree.depths[:keep], tree.scores[:keep])
     return depth_first(tree)
+
+
+def _best_prefix(tree: DraftTree, verify_costs: Sequence[float], t1_cost: float,
+                 tree_costs: tuple[float, float]) -> tuple[DraftTree, float]:
+    """The prefix of ``tree``'s nodes (best first, as ``build_tree`` and ``graft`` order them)
+    that maximises expected tokens per second, and that rate: a tree with ``P > 1`` root-to-leaf
+    paths costs ``branching + (P - 2) * per_path`` (``tree_costs``) more than a chain."""
+    # Node scores never increase along the node order, and parents come first: any prefix
+    # of the nodes is a tree, and the best prefix is found like a chain's best length.
+    extra, leaves, has_child = [], 0, set()
+    for parent in tree.parents[1:]:
+        leaves += 1 if parent in has_child or not has_child else 0  # a new branch, or the first node
+        has_child.add(parent)
+        extra.append(0.0 if leaves < 2 else tree_costs[0] + tree_costs[1] * (leaves - 2))
+    keep, rate = best_count_and_rate(tree.scores[1:], verify_costs, t1_cost, extra)
+    keep += 1
+    return DraftTree(tree.tokens[:keep], tree.parents[:keep], tree.depths[:keep], tree.scores[:keep]), rate
 
 
 def best_count_and_rate(gains: Sequence[float], verify_costs: Sequence[float], t1_cost: float = 0.0,

@@ -54,6 +54,8 @@ PAIR_KEYS = {
     "enable_thinking": "true | false: the chat template's thinking switch (default: the template's own); "
                        "set it to what the drafter was trained with",
     "gpu_memory_gb": "number > 0: GPU memory the pair needs, in GiB (target + drafter weights and working memory)",
+    "lookup_answers": "DIR of the target's own answers as committed shards (`make gen-data`; relative to models.toml): "
+                      "lookup variants also guess from what followed the text's last tokens there (dflash_core/corpus.py)",
     "otherwise": "NAME of another pair, loaded instead where this CPU cannot run this pair's weights' kernels "
                  "(so a machine without them runs that pair as it is, rather than this one's slower fallbacks)",
 }
@@ -104,6 +106,8 @@ class ModelPair:
     # The pair loaded instead where this CPU cannot run ``weights``' kernels (loading.kernels_refusal):
     # the default pair's weights fall back to a pair that needs no kernel builds on such a machine.
     otherwise: "ModelPair | None" = None
+    # The target's own answers (shards directory): a second source of lookup guesses (corpus.py).
+    lookup_answers: str | None = None
 
     @property
     def needs_cuda(self) -> bool:
@@ -243,6 +247,12 @@ def _parse_pair(name: str, entry: Any, file: Path) -> ModelPair:
     ):
         raise RegistryError(f"{where}: gpu_memory_gb = {gpu_memory_gb!r}; expected a number of GiB > 0")
 
+    lookup_answers = entry.get("lookup_answers")
+    if lookup_answers is not None:
+        if not isinstance(lookup_answers, str) or not lookup_answers:
+            raise RegistryError(f"{where}: lookup_answers = {lookup_answers!r}; expected a directory of answer shards")
+        lookup_answers = str((file.parent / Path(lookup_answers).expanduser()).resolve())
+
     return ModelPair(
         name=name,
         description=description,
@@ -258,6 +268,7 @@ def _parse_pair(name: str, entry: Any, file: Path) -> ModelPair:
         gpu_memory_gb=float(gpu_memory_gb) if gpu_memory_gb is not None else None,
         weights=weights,
         kernels=kernels,
+        lookup_answers=lookup_answers,
     )
 
 

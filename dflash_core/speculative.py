@@ -25,6 +25,7 @@ import torch
 from . import acceptance, proposers
 from .drafter import DFlashDrafter
 from .errors import SettingsError
+from .corpus import AnswerCorpus
 from .lookup import LookupStats, NgramIndex
 from .proposers import best_count_and_rate, choose_draft_length  # noqa: F401  (public here too)
 from .target import TargetRunner
@@ -107,8 +108,9 @@ class CycleEvent:
     # nodes, then the likeliest drafts below the last kept one). 0 for a chain.
     tree_nodes: int = 0
     lookup_nodes: int = 0  # verified drafts on prompt lookup's path (shared with the drafter's or not)
-    lookup_only: bool = False  # the drafter did not run: prompt lookup's guess alone was verified
-    lookup_drafted: int = 0  # how many of ``drafted`` (from the first) prompt lookup guessed
+    lookup_only: bool = False  # the drafter did not run: lookup's guesses alone were verified
+    lookup_drafted: int = 0  # how many of ``drafted`` (from the first) a lookup (prompt or answers) guessed
+    answer_nodes: int = 0  # verified drafts on the guess from the target's earlier answers (corpus.py)
 
     @property
     def accept_len(self) -> int:
@@ -170,7 +172,7 @@ class LoopState:
 def _proposer(config: GenerationConfig, rule: acceptance.Rule, sampling: acceptance.Sampling, target: TargetRunner,
               drafter: DFlashDrafter | None, features: torch.Tensor | None, committed: list[int],
               verify_costs: Sequence[float] | None, tree_costs: tuple[float, float], lookup_stats: LookupStats | None,
-              now: Callable[[], float]) -> proposers.Proposer:
+              now: Callable[[], float], answers: tuple[AnswerCorpus, LookupStats] | None = None) -> proposers.Proposer:
     """The proposer ``config`` asks for (``drafter`` None: the target alone). ``features``: the
     prompt's; ``committed``: every token so far, prompt included."""
     if drafter is None:
@@ -180,7 +182,8 @@ def _proposer(config: GenerationConfig, rule: acceptance.Rule, sampling: accepta
     if not (config.tree or config.lookup):
         return proposers.ChainProposer(block, sampling, rule.samples_drafts, costs, now)
     lookup = (NgramIndex(committed), lookup_stats or LookupStats()) if config.lookup else None
-    return proposers.TreeProposer(block, BRANCHING if config.tree else 1, lookup, costs, tree_costs, now)
+    return proposers.TreeProposer(block, BRANCHING if config.tree else 1, lookup, costs, tree_costs, now,
+                                  answers if config.lookup else None)
 
 
 @torch.inference_mode()
@@ -194,6 +197,7 @@ def stream(
     verify_costs: Sequence[float] | None = None,
     tree_costs: tuple[float, float] = (0.0, 0.0),
     lookup_stats: LookupStats | None = None,
+    answers: tuple[AnswerCorpus, LookupStats] | None = None,
 ) -> Iterator[CycleEvent]:
     """Generate after ``prompt_ids``, yielding one ``CycleEvent`` per cycle.
 
@@ -203,7 +207,8 @@ def stream(
     ``config.adaptive`` it decides how many drafts each cycle verifies (see ``choose_draft_length``);
     a tree also pays ``tree_costs`` for branching, then per root-to-leaf path after the second
     (``measure_tree_costs``). ``lookup_stats``: the estimates prompt lookup starts from (an
-    engine keeps one across generations); a fresh ``LookupStats`` when None.
+    engine keeps one across generations); a fresh ``LookupStats`` when None. ``answers``: the
+    target's own earlier answers and their chances, guessed from beside prompt lookup (``corpus.py``).
     """
     block_size = int(config.block_size or 1)
     speculative = drafter is not None and block_size > 1
@@ -245,7 +250,7 @@ def stream(
     if reason:
         return
     proposer = _proposer(config, rule, sampling, target, drafter if speculative else None, out.features,
-                         list(prompt_ids) + committed, verify_costs, tree_costs, lookup_stats, clock.now)
+                         list(prompt_ids) + committed, verify_costs, tree_costs, lookup_stats, clock.now, answers)
     while True:
         state.index += 1
         if should_stop is not None and should_stop():
@@ -269,7 +274,8 @@ def stream(
                          num_accepted=accepted, bonus=outcome.bonus, committed=committed, draft_s=t1 - t0,
                          verify_s=t2 - t1, tokens_so_far=state.produced, finish_reason=reason,
                          tree_nodes=draft.tree_nodes, lookup_nodes=len(draft.lookup_path),
-                         lookup_only=draft.lookup_only, lookup_drafted=outcome.lookup_drafted)
+                         lookup_only=draft.lookup_only, lookup_drafted=outcome.lookup_drafted,
+                         answer_nodes=len(draft.corpus_path))
         if reason:
             return
         state.anchor = outcome.bonus

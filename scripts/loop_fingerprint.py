@@ -54,6 +54,7 @@ def cycle_record(event: CycleEvent) -> dict:
         "lookup_nodes": event.lookup_nodes,
         "lookup_only": event.lookup_only,
         "lookup_drafted": event.lookup_drafted,
+        "answer_nodes": event.answer_nodes,
         "finish_reason": event.finish_reason,
     }
 
@@ -62,6 +63,7 @@ def fingerprint(engine: Engine, prompts: list[str], max_new_tokens: int) -> dict
     report: dict = {}
     for name, (mode, config) in VARIANTS.items():
         engine.lookup_stats = LookupStats(memory=LOOKUP_MEMORY)
+        engine.corpus_stats = LookupStats(memory=LOOKUP_MEMORY)
         runs = []
         for prompt in prompts:
             ids, valid = engine.prepare(prompt, replace(config, max_new_tokens=max_new_tokens), mode)

@@ -51,12 +51,15 @@ def test_default_pair_greedy_dflash_equals_ar(capsys, engines_loaded_once, promp
     assert any(c["tree_nodes"] > len(c["drafted"]) for c in tree["cycles"])
     tree_adaptive = run_json(capsys, "generate", "--json", "--prompt", prompt, "--max-new-tokens", "96", "--tree", "--adaptive")
     assert tree_adaptive["token_ids"] == ar["token_ids"]
-    # Prompt lookup's guesses in the same pass: the same tokens, and guesses were verified.
+    # Lookup's guesses in the same pass, from the text and from the pair's committed answers
+    # (models.toml's lookup_answers): the same tokens, and guesses of both kinds were verified.
     lookup = run_json(capsys, "generate", "--json", "--prompt", prompt, "--max-new-tokens", "96", "--lookup")
     assert lookup["token_ids"] == ar["token_ids"]
     assert any(c["lookup_nodes"] for c in lookup["cycles"])
-    # The shown drafts the lookup guessed: never more than it had verified nor than were shown.
-    assert all(c["lookup_drafted"] <= min(c["lookup_nodes"], len(c["drafted"])) for c in lookup["cycles"])
+    assert any(c["answer_nodes"] for c in lookup["cycles"])
+    # The shown drafts a lookup guessed: never more than its guesses had verified nor than were shown.
+    assert all(c["lookup_drafted"] <= min(max(c["lookup_nodes"], c["answer_nodes"]), len(c["drafted"]))
+               for c in lookup["cycles"])
     assert any(c["lookup_drafted"] for c in lookup["cycles"])
     combined = run_json(capsys, "generate", "--json", "--prompt", prompt, "--max-new-tokens", "96", "--tree", "--lookup",
                         "--adaptive")

@@ -156,13 +156,15 @@ def test_lookup_refuses_what_it_cannot_do():
 
 
 def test_worth_drafting_weighs_the_drafters_cost_against_what_it_adds_where_the_guess_fails():
-    assert worth_drafting([], 0.05, 0.007, 1.0)  # no guess: always draft
+    assert worth_drafting(0.0, 0.0, 0.05, 0.007, 1.0)  # no guess: always draft
     # A sure guess of 10 tokens: the drafter could only help where the guess fails (never).
-    assert not worth_drafting([1.0] * 10, 0.05, 0.007, 1.0)
-    # A doubtful guess: the drafter's expected 1.1 tokens are worth 7 ms.
-    assert worth_drafting([0.3, 0.1], 0.05, 0.007, 1.1)
+    assert not worth_drafting(10.0, 1.0, 0.05, 0.007, 1.0)
+    # A doubtful guess (0.3, then 0.1 more): the drafter's expected 1.1 tokens are worth 7 ms.
+    assert worth_drafting(0.4, 0.3, 0.05, 0.007, 1.1)
     # The same doubtful guess, but a drafter that adds nothing: skip it.
-    assert not worth_drafting([0.3, 0.1], 0.05, 0.007, 0.0)
+    assert not worth_drafting(0.4, 0.3, 0.05, 0.007, 0.0)
+    # Two guesses whose first tokens differ: together likelier to start right, less left to the drafter.
+    assert not worth_drafting(1.2, 0.9, 0.05, 0.007, 1.1)
 
 
 def test_lookup_stats_with_memory_follow_recent_text():

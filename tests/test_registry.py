@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from dflash_core.errors import RegistryError
@@ -31,6 +33,12 @@ def test_the_projects_registry_parses_with_the_expected_pairs():
     fast = registry.get("smollm2-135m-int8")
     assert (fast.target, fast.drafter) == (default.target, default.drafter)
     assert (fast.weights, fast.kernels, fast.dtype, fast.target_device) == ("int8", "aoti", "float32", "cpu")
+    # Every pair of SmolLM2-135M-Instruct with a trained drafter guesses from its committed answers too.
+    answers = Path(default.lookup_answers)
+    assert answers.is_absolute() and (answers / "manifest.json").is_file()
+    for name in ("smollm2-135m", "smollm2-135m-int4", "smollm2-135m-int8", "smollm2-135m-w8a8"):
+        assert registry.get(name).lookup_answers == default.lookup_answers
+    assert registry.get("qwen3-8b").lookup_answers is None
 
 
 def test_devices_can_differ_between_target_and_drafter(tmp_path):
@@ -162,6 +170,7 @@ def test_a_pair_whose_kernels_cannot_run_here_loads_its_otherwise_and_says_why(m
     (GOOD_PAIR + "gpu_memory_gb = 0\n", "gpu_memory_gb = 0; expected a number of GiB > 0"),
     (GOOD_PAIR + "gpu_memory_gb = 'lots'\n", "gpu_memory_gb = 'lots'"),
     (GOOD_PAIR + "enable_thinking = 1\n", "enable_thinking = 1; expected true or false"),
+    (GOOD_PAIR + "lookup_answers = 3\n", "lookup_answers = 3; expected a directory of answer shards"),
     (GOOD_PAIR + "thinking = true\n", r"unknown key\(s\) \['thinking'\]"),
 ])
 def test_new_keys_are_checked_and_unknown_keys_stay_errors(tmp_path, text, message):

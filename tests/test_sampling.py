@@ -15,6 +15,8 @@ import pytest
 import torch
 
 from dflash_core import acceptance
+from dflash_core.corpus import AnswerCorpus
+from dflash_core.lookup import LookupStats
 from dflash_core.proposers import ChainDraft
 from dflash_core.speculative import GenerationConfig, collect, stream
 from dflash_core.target import FastTarget
@@ -118,14 +120,20 @@ def test_warp_applies_top_k_and_top_p():
 
 
 @pytest.mark.parametrize("draft_vocab", [None, [0, 1, 3]], ids=["full-vocab", "draft-vocab"])
-@pytest.mark.parametrize("rule", ["match", "pq", "match-tree", "match-lookup"])
+@pytest.mark.parametrize("rule", ["match", "pq", "match-tree", "match-lookup", "match-answers"])
 def test_dflash_sampling_follows_the_targets_distribution_end_to_end(rule, draft_vocab):
     """Joint distribution of 3 generated tokens over a 5-token vocabulary (125 outcomes); with a
     draft vocabulary the drafter can never propose token 2, which the target still produces.
     ``match-tree`` verifies draft trees (4 tokens are generated so that the first cycle has room
     for two drafts, which may branch; the first 3 are counted); ``match-lookup`` adds prompt
-    lookup's guesses (in a 5-token vocabulary the last token has usually occurred before)."""
-    rule, tree, lookup = rule.split("-")[0], rule.endswith("tree"), rule.endswith("lookup")
+    lookup's guesses (in a 5-token vocabulary the last token has usually occurred before);
+    ``match-answers`` adds guesses from a corpus of answers too (``corpus.py``: random ones here,
+    holding every pair of tokens)."""
+    rule, tree, lookup = rule.split("-")[0], rule.endswith("tree"), rule.endswith(("lookup", "answers"))
+    answers = None
+    if rule.endswith("answers"):
+        corpus_rows = torch.randint(0, 5, (50, 30), generator=torch.Generator().manual_seed(9)).tolist()
+        answers = (AnswerCorpus(corpus_rows), LookupStats())
     vocab, temperature = 5, 1.3
     model = tiny_target("llama", vocab=vocab, layers=2, seed=5)
     with torch.no_grad():
@@ -140,14 +148,15 @@ def test_dflash_sampling_follows_the_targets_distribution_end_to_end(rule, draft
 
     n = 2000
     observed: dict[tuple, int] = {}
-    accepted = branched = looked_up = 0
+    accepted = branched = looked_up = from_answers = 0
     for seed in range(n):
         config = GenerationConfig(max_new_tokens=4 if tree or lookup else 3, block_size=4, temperature=temperature,
                                   seed=seed, rule=rule, tree=tree, lookup=lookup)
-        out = collect(stream(runner, drafter, prompt, config.validated(4)))
+        out = collect(stream(runner, drafter, prompt, config.validated(4), answers=answers))
         key = tuple(out.token_ids[:3])
         branched += any(c.tree_nodes > len(c.drafted) for c in out.cycles)
         looked_up += any(c.lookup_nodes for c in out.cycles)
+        from_answers += any(c.answer_nodes for c in out.cycles)
         observed[key] = observed.get(key, 0) + 1
         accepted += sum(c.num_accepted for c in out.cycles)
     assert set(observed) <= set(itertools.product(range(vocab), repeat=3))
@@ -158,6 +167,8 @@ def test_dflash_sampling_follows_the_targets_distribution_end_to_end(rule, draft
         assert branched > 0.1 * n  # the trees really branched
     if lookup:
         assert looked_up > 0.5 * n  # lookup's guesses were really verified
+    if answers:
+        assert from_answers > 0.5 * n  # and the answers' guesses too
 
 
 def test_sampling_is_reproducible_for_a_seed():

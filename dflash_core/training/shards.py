@@ -93,6 +93,16 @@ def write_shard(path: Path, content: ShardContent, vocab_size: int) -> int:
     return len(buffer.getvalue())
 
 
+def read_answers(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    """A shard's answers alone, as stored: every answer's token ids in a row, and their lengths."""
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            return z["answer_ids"], z["answer_lengths"]
+    except (OSError, ValueError, KeyError) as exc:
+        raise TrainingError(f"{path} is not a readable answer shard ({exc}); restore it from git "
+                            f"(`git checkout -- {path}`) or remove it and its manifest entry") from exc
+
+
 def read_shard(path: Path) -> ShardContent:
     try:
         with np.load(path, allow_pickle=False) as z:

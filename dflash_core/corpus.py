@@ -1,0 +1,161 @@
+"""The target's own earlier answers as a second source of lookup guesses (retrieval drafting).
+
+Prompt lookup (``lookup.py``) copies from the current text; a small model also repeats itself
+*across* answers: the same openings, explanations, idioms and code shapes come back in answers to
+other questions. ``AnswerCorpus`` holds the answers the target gave to the training prompts (the
+committed shards, ``training/shards.py``: greedy, never HumanEval or the held-out prompts) and,
+where the text's last tokens occurred in them, guesses what the target would say next: the
+continuation most of those occurrences share (REST, He et al. 2023, does this with a suffix array
+over a general datastore; here the datastore is the target's own output, so its continuations
+tend to be what the target says). Like every draft, a guess only decides how many tokens a cycle
+commits, never which: the output is unchanged.
+
+The index keeps, for 3-grams and 2-grams of the answers, the sorted n-gram keys (token ids are
+below 2**16, so an n-gram packs into one integer) and where each occurrence continues. A guess
+looks the text's last 3 tokens up, else its last 2; among the occurrences (at most
+``MAX_CANDIDATES``, spread evenly) it keeps those whose earlier tokens match the text furthest
+back (up to ``MAX_BACK`` more), then follows them token by token, taking the continuation most of
+them share and dropping the others.
+
+How likely each guessed token is to be kept depends on how long the match is and on how many of
+the occurrences agree on that token (on the bench's prompts, a first token most occurrences share
+was kept several times as often as one a minority chose): ``chance_keys`` puts each token in a
+bucket of both, whose chance ``lookup.LookupStats`` learns online.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from .errors import DFlashError
+
+NGRAMS = (3, 2)  # n-gram sizes looked up, longest first (on greedy answers 3, 2 beat 4, 3, 2 per byte of index)
+MAX_CANDIDATES = 512  # occurrences of an n-gram weighed at most (spread evenly over all of them)
+MAX_BACK = 12  # how many tokens before the n-gram a match is extended to, to rank occurrences
+END = np.iinfo(np.uint16).max  # between answers: no guess runs across it (token ids are below it)
+MATCH_BUCKETS = (3, 4, 5, 7, 10)  # a match shorter than each of these goes in that bucket (10 and longer: the last)
+SHARE_BUCKETS = (0.5, 0.8)  # the same for the share of occurrences agreeing on a token (one occurrence: its own bucket)
+
+
+class AnswerCorpus:
+    """Answers (token ids) indexed by their 2- and 3-grams; see the module's docstring."""
+
+    def __init__(self, answers: Sequence[Sequence[int]] | np.ndarray) -> None:
+        if isinstance(answers, np.ndarray):
+            tokens = answers.astype(np.uint16)
+        else:
+            parts = [np.append(np.asarray(a, dtype=np.uint16), np.uint16(END)) for a in answers]
+            tokens = np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint16)
+        self.tokens = tokens  # (N,) answers, each followed by END
+        self.answers = int((tokens == END).sum())
+        self._index = {n: self._build(n) for n in NGRAMS}
+
+    def __len__(self) -> int:
+        return len(self.tokens) - self.answers
+
+    def _build(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """Sorted keys of the n-grams that have a token after them, and where each continues."""
+        tokens, size = self.tokens, len(self.tokens)
+        count = max(size - n, 0)  # n-grams tokens[i : i + n] with a token at i + n
+        keys = np.zeros(count, dtype=np.int64)  # n <= 3: at most 48 bits
+        usable = tokens[n : n + count] != END  # the continuation's first token is an answer's
+        for j in range(n):
+            part = tokens[j : j + count]
+            keys = (keys << 16) | part.astype(np.int64)
+            usable &= part != END
+        # torch's sort: several times numpy's argsort on millions of keys (it is loaded anyway)
+        keys, order = torch.sort(torch.from_numpy(keys[usable]), stable=True)
+        starts = np.flatnonzero(usable).astype(np.int32) + np.int32(n)
+        return keys.numpy(), starts[order.numpy()]
+
+    def continuation(self, text: Sequence[int], length: int) -> tuple[list[int], int, list[tuple[int, int]]]:
+        """Up to ``length`` tokens guessed to follow ``text`` (its last ``NGRAMS[0] + MAX_BACK``
+        tokens are enough), the length of the match behind the guess, and for each token how
+        many of the occurrences still followed continue with it, of how many;
+        ``[], 0, []`` where the text's last tokens occur nowhere."""
+        if length <= 0:
+            return [], 0, []
+        tokens = self.tokens
+        for n in NGRAMS:
+            if len(text) < n:
+                continue
+            key = 0
+            for token in text[-n:]:
+                key = (key << 16) | int(token)
+            keys, starts = self._index[n]
+            lo, hi = np.searchsorted(keys, key, "left"), np.searchsorted(keys, key, "right")
+            if hi == lo:
+                continue
+            found = starts[lo:hi]
+            if len(found) > MAX_CANDIDATES:
+                found = found[np.linspace(0, len(found) - 1, MAX_CANDIDATES).astype(np.int64)]
+            found = found.astype(np.int64)
+            back = np.zeros(len(found), dtype=np.int64)
+            alive = np.ones(len(found), dtype=bool)
+            for j in range(1, min(MAX_BACK, len(text) - n) + 1):
+                at = found - n - j
+                alive &= at >= 0
+                alive[alive] = tokens[at[alive]] == text[-n - j]
+                if not alive.any():
+                    break
+                back += alive
+            found = found[back == back.max()]
+            guess, support = self._follow(found, length)
+            return guess, n + int(back.max()), support
+        return [], 0, []
+
+    def _follow(self, found: np.ndarray, length: int) -> tuple[list[int], list[tuple[int, int]]]:
+        """The continuation most of the occurrences starting at ``found`` share, token by token,
+        and how many of them continue with each token, of how many."""
+        tokens, guess, support = self.tokens, [], []
+        while len(guess) < length:
+            if len(found) == 1:  # one occurrence left: copy it to its answer's end
+                run = tokens[found[0] : found[0] + length - len(guess)]
+                ends = np.flatnonzero(run == END)
+                copied = [int(t) for t in (run[: ends[0]] if len(ends) else run)]
+                guess += copied
+                support += [(1, 1)] * len(copied)
+                break
+            following = tokens[found]
+            token, count = following[0], len(found)
+            if following.min() != following.max():  # they part here: the continuation most share
+                values, counts = np.unique(following, return_counts=True)
+                token, count = values[counts.argmax()], int(counts.max())
+            if token == END:
+                break
+            guess.append(int(token))
+            support.append((count, len(found)))
+            found = found[following == token] + 1
+        return guess, support
+
+
+def chance_keys(match: int, support: Sequence[tuple[int, int]]) -> list[int]:
+    """Each guessed token's bucket for ``LookupStats``, from the guess's match length
+    (``MATCH_BUCKETS``) and the token's support (``continuation``): the share of occurrences
+    agreeing on it (``SHARE_BUCKETS``), or a bucket of its own where one occurrence was left."""
+    m = sum(match >= edge for edge in MATCH_BUCKETS)
+    shares = len(SHARE_BUCKETS) + 2  # share buckets, then the one for a lone occurrence
+    return [m * shares + (shares - 1 if of == 1 else sum(agree >= edge * of for edge in SHARE_BUCKETS))
+            for agree, of in support]
+
+
+@functools.lru_cache(maxsize=4)
+def load_corpus(directory: str) -> AnswerCorpus:
+    """Every answer in the shards of ``directory`` (``training/shards.py``'s layout), indexed
+    once per process (pairs sharing a target share it)."""
+    from .training.shards import read_answers
+
+    shards = sorted(Path(directory).glob("shard-*.npz"))
+    if not shards:
+        raise DFlashError(f"lookup_answers = {directory!r}: no answer shards (shard-NNNNN.npz) there; "
+                          f"point it at a directory `make gen-data` wrote, or remove the key")
+    parts = []
+    for shard in shards:
+        flat, lengths = read_answers(shard)
+        parts.append(np.insert(flat.astype(np.uint16), np.cumsum(lengths), np.uint16(END)))
+    return AnswerCorpus(np.concatenate(parts))
