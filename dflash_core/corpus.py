@@ -18,9 +18,8 @@ back (up to ``MAX_BACK`` more), then follows them token by token, taking the con
 them share and dropping the others.
 
 How likely each guessed token is to be kept depends on how long the match is and on how many of
-the occurrences agree on that token (on the bench's prompts, a first token most occurrences share
-was kept several times as often as one a minority chose): ``chance_keys`` puts each token in a
-bucket of both, whose chance ``lookup.LookupStats`` learns online.
+the occurrences agree on that token: ``chance_keys`` puts each token in a bucket of both, whose
+chance ``lookup.LookupStats`` learns online.
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ import torch
 
 from .errors import DFlashError
 
-NGRAMS = (3, 2)  # n-gram sizes looked up, longest first (on greedy answers 3, 2 beat 4, 3, 2 per byte of index)
+NGRAMS = (3, 2)  # n-gram sizes looked up, longest first (a longer match is still found by MAX_BACK)
 MAX_CANDIDATES = 512  # occurrences of an n-gram weighed at most (spread evenly over all of them)
 MAX_BACK = 12  # how many tokens before the n-gram a match is extended to, to rank occurrences
 END = np.iinfo(np.uint16).max  # between answers: no guess runs across it (token ids are below it)
@@ -43,14 +42,17 @@ SHARE_BUCKETS = (0.5, 0.8)  # the same for the share of occurrences agreeing on 
 
 
 class AnswerCorpus:
-    """Answers (token ids) indexed by their 2- and 3-grams; see the module's docstring."""
+    """Answers (token ids) indexed by their 2- and 3-grams; see the module's docstring.
+    ``answers``: a list of answers, or one array of them already joined, each followed by ``END``."""
 
     def __init__(self, answers: Sequence[Sequence[int]] | np.ndarray) -> None:
         if isinstance(answers, np.ndarray):
             tokens = answers.astype(np.uint16)
         else:
-            parts = [np.append(np.asarray(a, dtype=np.uint16), np.uint16(END)) for a in answers]
-            tokens = np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint16)
+            arrays = [np.asarray(a, dtype=np.int64) for a in answers]
+            _check_ids(arrays)
+            tokens = np.concatenate([np.append(a, END) for a in arrays] or [np.zeros(0, dtype=np.int64)])
+            tokens = tokens.astype(np.uint16)
         self.tokens = tokens  # (N,) answers, each followed by END
         self.answers = int((tokens == END).sum())
         self._index = {n: self._build(n) for n in NGRAMS}
@@ -144,6 +146,13 @@ def chance_keys(match: int, support: Sequence[tuple[int, int]]) -> list[int]:
             for agree, of in support]
 
 
+def _check_ids(answers: Sequence[np.ndarray]) -> None:
+    largest = max((int(a.max()) for a in answers if len(a)), default=0)
+    if largest >= END:
+        raise DFlashError(f"answer token id {largest}: lookup guesses from answers take token ids below {END} "
+                          f"(this vocabulary is too large); remove lookup_answers for this pair")
+
+
 @functools.lru_cache(maxsize=4)
 def load_corpus(directory: str) -> AnswerCorpus:
     """Every answer in the shards of ``directory`` (``training/shards.py``'s layout), indexed
@@ -157,5 +166,6 @@ def load_corpus(directory: str) -> AnswerCorpus:
     parts = []
     for shard in shards:
         flat, lengths = read_answers(shard)
-        parts.append(np.insert(flat.astype(np.uint16), np.cumsum(lengths), np.uint16(END)))
+        _check_ids([flat])
+        parts.append(np.insert(flat.astype(np.int64), np.cumsum(lengths), END))
     return AnswerCorpus(np.concatenate(parts))

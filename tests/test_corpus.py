@@ -29,6 +29,11 @@ def test_a_guess_follows_what_most_occurrences_say_next_and_stops_at_an_answers_
     assert corpus.continuation([1, 2, 3], 0) == ([], 0, [])
 
 
+def test_token_ids_past_the_packing_are_refused_clearly():
+    with pytest.raises(DFlashError, match="below 65535"):
+        AnswerCorpus([[1, 2, 70000]])
+
+
 def test_occurrences_matching_further_back_outrank_the_majority():
     corpus = AnswerCorpus([[5, 6, 1, 2, 3, 4], [7, 7, 1, 2, 3, 9], [8, 8, 1, 2, 3, 9]])
     # "5 6 1 2 3" matches the first answer five tokens back: its continuation wins over the majority's 9.
