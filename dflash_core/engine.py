@@ -42,7 +42,7 @@ class Engine:
         # Prompt lookup's chances, carried from one generation to the next (recent ones weigh most).
         self.lookup_stats = LookupStats(memory=LOOKUP_MEMORY)
         # The same for guesses from the target's own earlier answers (the pair's lookup_answers).
-        self.corpus_stats = LookupStats(memory=LOOKUP_MEMORY)
+        self.answers_stats = LookupStats(memory=LOOKUP_MEMORY)
         # What the latest run did, kept so front ends can show (and tests can check) that a run
         # whose consumer went away really stopped: cycles, tokens, and how it ended.
         self.last_run: dict[str, Any] | None = None
@@ -173,7 +173,7 @@ class Engine:
             collect(self.stream_ids(resolved.prompt_ids, resolved.config))
         self.last_run, self.runs = None, 0
         self.lookup_stats = LookupStats(memory=LOOKUP_MEMORY)
-        self.corpus_stats = LookupStats(memory=LOOKUP_MEMORY)
+        self.answers_stats = LookupStats(memory=LOOKUP_MEMORY)
 
     def answers(self) -> tuple[AnswerCorpus, LookupStats] | None:
         """The target's own answers, indexed on first need (a few seconds; ``load_corpus`` keeps
@@ -181,7 +181,7 @@ class Engine:
         pair names none (``lookup_answers`` in models.toml)."""
         if self.pair.lookup_answers is None:
             return None
-        return load_corpus(self.pair.lookup_answers), self.corpus_stats
+        return load_corpus(self.pair.lookup_answers), self.answers_stats
 
     @property
     def busy(self) -> bool:

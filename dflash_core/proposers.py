@@ -136,7 +136,7 @@ class Outcome:
     target_choices: list[int]  # the target's token at each node of the shown path ([] if the rule drew none)
     lookup_drafted: int = 0  # how many of ``drafted`` (from the first) a lookup (prompt or answers) guessed
     lookup_kept: int = 0  # how many of prompt lookup's verified nodes were kept
-    corpus_kept: int = 0  # how many of the answers' guess's verified nodes were kept
+    answers_kept: int = 0  # how many of the answers' guess's verified nodes were kept
     kept_nodes: list[int] = field(default_factory=list)  # a tree's kept path, root first
 
 
@@ -148,8 +148,8 @@ class Draft:
     lookup_only: bool = False  # lookup's guesses alone: the drafter did not run
     lookup_path: list[int] = field(default_factory=list)  # verified nodes on prompt lookup's guess, root excluded
     lookup_match: int = 0  # the match length behind that guess (``NgramIndex.continuation``)
-    corpus_path: list[int] = field(default_factory=list)  # verified nodes on the answers' guess (``corpus.py``)
-    corpus_keys: list[int] = field(default_factory=list)  # the chance bucket of each of its tokens (``corpus.chance_keys``)
+    answers_path: list[int] = field(default_factory=list)  # verified nodes on the answers' guess (``corpus.py``)
+    answers_keys: list[int] = field(default_factory=list)  # the chance bucket of each of its tokens (``corpus.chance_keys``)
     sampled: SampledDrafts | None = None  # drafts drawn from q, for a rule that reads it
 
     @property
@@ -185,8 +185,8 @@ class ChainDraft(Draft):
             bonus = choices[accepted]
         # A chain's lookup nodes are its first ones.
         return Outcome(accepted, bonus, drafted, values[h + k + c :], choices,
-                       lookup_drafted=max(len(self.lookup_path), len(self.corpus_path)),
-                       lookup_kept=min(len(self.lookup_path), accepted), corpus_kept=min(len(self.corpus_path), accepted))
+                       lookup_drafted=max(len(self.lookup_path), len(self.answers_path)),
+                       lookup_kept=min(len(self.lookup_path), accepted), answers_kept=min(len(self.answers_path), accepted))
 
     def commit(self, target: TargetRunner, outcome: Outcome, features: torch.Tensor | None,
                start: int) -> torch.Tensor | None:
@@ -213,13 +213,13 @@ class TreeDraft(Draft):
         choices = verdict.choices.tolist()  # the cycle's one host transfer
         kept, bonus = walk(tree, choices)
         shown = best_extension(tree, kept)
-        lookup, corpus = set(self.lookup_path), set(self.corpus_path)
+        lookup, answers = set(self.lookup_path), set(self.answers_path)
         # All three are paths from the root: what they share with a guess's path is a prefix.
         return Outcome(len(kept) - 1, bonus, [tree.tokens[n] for n in shown[1:]],
                        [tree.scores[n] / tree.scores[tree.parents[n]] for n in shown[1:]],
                        [choices[n] for n in shown],
-                       lookup_drafted=max(len(lookup.intersection(shown[1:])), len(corpus.intersection(shown[1:]))),
-                       lookup_kept=len(lookup.intersection(kept)), corpus_kept=len(corpus.intersection(kept)),
+                       lookup_drafted=max(len(lookup.intersection(shown[1:])), len(answers.intersection(shown[1:]))),
+                       lookup_kept=len(lookup.intersection(kept)), answers_kept=len(answers.intersection(kept)),
                        kept_nodes=kept)
 
     def commit(self, target: TargetRunner, outcome: Outcome, features: torch.Tensor | None,
@@ -345,16 +345,16 @@ class Guess:
 class TreeProposer:
     """The drafter's likeliest continuations as a tree (``branching`` candidates per slot; 1:
     its chain), with prompt lookup's guess grafted in when ``lookup`` is given, and the target's
-    earlier answers' guess too when ``corpus`` is (with ``lookup`` only: it reads lookup's text).
+    earlier answers' guess too when ``answers`` is (with ``lookup`` only: it reads lookup's text).
     With ``verify_costs``: the prefix of the tree that pays best (``_draft_tree``), and confident
     guesses verified alone when running the drafter would not pay for itself (``worth_drafting``).
     A tree that comes out as a chain is verified as one (the plain forward is cheaper)."""
 
     def __init__(self, block: DrafterBlock, branching: int, lookup: tuple[NgramIndex, LookupStats] | None,
                  verify_costs: Sequence[float] | None, tree_costs: tuple[float, float],
-                 now: Callable[[], float], corpus: tuple[AnswerCorpus, LookupStats] | None = None) -> None:
+                 now: Callable[[], float], answers: tuple[AnswerCorpus, LookupStats] | None = None) -> None:
         self.block, self.branching, self.lookup = block, branching, lookup
-        self.corpus = corpus if lookup is not None else None
+        self.answers = answers if lookup is not None else None
         self.verify_costs, self.tree_costs, self.now = verify_costs, tree_costs, now
         # Running means, for skipping the drafter: a drafting phase's time, and the tokens the
         # drafter adds where the guesses fail at once.
@@ -371,12 +371,12 @@ class TreeProposer:
         index, stats = self.lookup
         tokens, match = index.continuation(count)
         prompt = Guess(tokens, match, stats.probabilities(match, len(tokens)), [match] * len(tokens))
-        if self.corpus is None:
+        if self.answers is None:
             return prompt, none
-        corpus, corpus_stats = self.corpus
+        corpus, answers_stats = self.answers
         tokens, match, support = corpus.continuation(index.tokens[-(NGRAMS[0] + MAX_BACK):], count)
         keys = chance_keys(match, support)
-        return prompt, Guess(tokens, match, corpus_stats.chances(keys), keys)
+        return prompt, Guess(tokens, match, answers_stats.chances(keys), keys)
 
     def _guess_alone(self, anchor: int, guesses: Sequence[Guess], budget: int,
                      drafter_sits_out: bool = False) -> DraftTree | None:
@@ -403,25 +403,25 @@ class TreeProposer:
         device = self.block.target.device
         if size <= 1:
             return _no_drafts(anchor, device)
-        prompt, answers = self._guesses(size - 1)
+        from_prompt, from_answers = self._guesses(size - 1)
         if self.meter is not None and not self.meter.drafting():  # the drafter sits out: the guesses alone, if any
-            tree = self._guess_alone(anchor, (prompt, answers), size - 1, drafter_sits_out=True)
+            tree = self._guess_alone(anchor, (from_prompt, from_answers), size - 1, drafter_sits_out=True)
             if tree is None:
                 return _no_drafts(anchor, device)
         else:
-            tree = self._guess_alone(anchor, (prompt, answers), size - 1)
+            tree = self._guess_alone(anchor, (from_prompt, from_answers), size - 1)
         alone = tree is not None
         if not alone:
             logits, columns = self.block.logits(anchor, start, size if self.reach is None else self.reach.block(size))
             tree = _draft_tree(logits, columns, anchor, size - 1, self.verify_costs, self.now() - started,
                                self.tree_costs, self.branching,
-                               [(g.tokens, g.chances) for g in (prompt, answers) if g.tokens])
-        lookup_path, corpus_path = tree.find_path(prompt.tokens), tree.find_path(answers.tokens)
+                               [(g.tokens, g.chances) for g in (from_prompt, from_answers) if g.tokens])
+        lookup_path, answers_path = tree.find_path(from_prompt.tokens), tree.find_path(from_answers.tokens)
         if not alone and self.reach is not None:  # how deep the drafter's own nodes went
-            guessed = set(lookup_path) | set(corpus_path)
+            guessed = set(lookup_path) | set(answers_path)
             self.reach.record(max((tree.depths[n] for n in range(1, len(tree)) if n not in guessed), default=0))
-        shared = dict(drafter_ran=not alone, lookup_only=alone, lookup_path=lookup_path, lookup_match=prompt.match,
-                      corpus_path=corpus_path, corpus_keys=answers.keys[: len(corpus_path)])
+        shared = dict(drafter_ran=not alone, lookup_only=alone, lookup_path=lookup_path, lookup_match=from_prompt.match,
+                      answers_path=answers_path, answers_keys=from_answers.keys[: len(answers_path)])
         if not tree.is_chain():
             return TreeDraft(tree=tree, **shared)
         return ChainDraft(anchor=anchor, tokens=torch.tensor(tree.tokens[1:], dtype=torch.long, device=device),
@@ -435,14 +435,14 @@ class TreeProposer:
             self.meter.observe(draft, len(committed), cycle_s)
         if draft.drafter_ran:
             self.draft_cost = draft_s if self.draft_cost is None else (1 - w) * self.draft_cost + w * draft_s
-            if outcome.lookup_kept == 0 and outcome.corpus_kept == 0:
+            if outcome.lookup_kept == 0 and outcome.answers_kept == 0:
                 self.drafter_gain = (1 - w) * self.drafter_gain + w * outcome.num_accepted
         if self.lookup is not None:
             index, stats = self.lookup
             if draft.lookup_path:
                 stats.record(draft.lookup_match, len(draft.lookup_path), outcome.lookup_kept)
-            if self.corpus is not None and draft.corpus_path:
-                self.corpus[1].record_keys(draft.corpus_keys, outcome.corpus_kept)
+            if self.answers is not None and draft.answers_path:
+                self.answers[1].record_keys(draft.answers_keys, outcome.answers_kept)
             index.extend(committed)
         self.block.saw(features, start, draft.drafter_ran)
 

@@ -275,7 +275,7 @@ def stream(
                          verify_s=t2 - t1, tokens_so_far=state.produced, finish_reason=reason,
                          tree_nodes=draft.tree_nodes, lookup_nodes=len(draft.lookup_path),
                          lookup_only=draft.lookup_only, lookup_drafted=outcome.lookup_drafted,
-                         answer_nodes=len(draft.corpus_path))
+                         answer_nodes=len(draft.answers_path))
         if reason:
             return
         state.anchor = outcome.bonus

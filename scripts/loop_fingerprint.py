@@ -63,7 +63,7 @@ def fingerprint(engine: Engine, prompts: list[str], max_new_tokens: int) -> dict
     report: dict = {}
     for name, (mode, config) in VARIANTS.items():
         engine.lookup_stats = LookupStats(memory=LOOKUP_MEMORY)
-        engine.corpus_stats = LookupStats(memory=LOOKUP_MEMORY)
+        engine.answers_stats = LookupStats(memory=LOOKUP_MEMORY)
         runs = []
         for prompt in prompts:
             ids, valid = engine.prepare(prompt, replace(config, max_new_tokens=max_new_tokens), mode)
