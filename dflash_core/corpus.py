@@ -140,9 +140,9 @@ def chance_keys(match: int, support: Sequence[tuple[int, int]]) -> list[int]:
     """Each guessed token's bucket for ``LookupStats``, from the guess's match length
     (``MATCH_BUCKETS``) and the token's support (``continuation``): the share of occurrences
     agreeing on it (``SHARE_BUCKETS``), or a bucket of its own where one occurrence was left."""
-    m = sum(match >= edge for edge in MATCH_BUCKETS)
-    shares = len(SHARE_BUCKETS) + 2  # share buckets, then the one for a lone occurrence
-    return [m * shares + (shares - 1 if of == 1 else sum(agree >= edge * of for edge in SHARE_BUCKETS))
+    match_bucket = sum(match >= edge for edge in MATCH_BUCKETS)
+    per_match = len(SHARE_BUCKETS) + 2  # the share buckets, then the lone occurrence's
+    return [match_bucket * per_match + (per_match - 1 if of == 1 else sum(agree >= edge * of for edge in SHARE_BUCKETS))
             for agree, of in support]
 
 
