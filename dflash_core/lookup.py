@@ -79,8 +79,9 @@ class NgramIndex:
 class LookupStats:
     """Online estimate of the chance that a lookup token is kept given its parent was.
 
-    Counted per (match length, depth 1 / 2 / 3 and deeper), the match length being what
-    ``NgramIndex.continuation`` reports; each bucket starts at ``prior`` with
+    Counted per (bucket, depth 1 / 2 / 3 and deeper), the bucket being what the guess's source
+    says of each token: for prompt lookup the match length ``NgramIndex.continuation`` reports,
+    for the earlier answers ``corpus.chance_keys``; each cell starts at ``prior`` with
     the weight of ``prior_weight`` observations, so the first cycles neither trust nor ignore
     the lookup. With ``memory``, older observations fade (each new one scales a bucket's counts
     by ``1 - 1 / memory``): an engine keeps one ``LookupStats`` across generations, so a new
@@ -95,28 +96,22 @@ class LookupStats:
         self.prior, self.prior_weight = prior, prior_weight
         self.keep = 1.0 - 1.0 / memory if memory else 1.0
 
-    def _key(self, match: int, depth: int) -> tuple[int, int]:
-        return match, min(depth, self.DEPTHS)
+    def _key(self, bucket: int, depth: int) -> tuple[int, int]:
+        return bucket, min(depth, self.DEPTHS)
 
-    def probability(self, match: int, depth: int) -> float:
-        key = self._key(match, depth)
+    def probability(self, bucket: int, depth: int) -> float:
+        key = self._key(bucket, depth)
         return (self._hits.get(key, 0.0) + self.prior * self.prior_weight) / (self._tries.get(key, 0.0) + self.prior_weight)
-
-    def probabilities(self, match: int, count: int) -> list[float]:
-        return self.chances([match] * count)
 
     def chances(self, keys: Sequence[int]) -> list[float]:
         """The chance of each token of a guess whose ``i``-th token is in bucket ``keys[i]``
         (prompt lookup: its match length for all; the answers' guesses: ``corpus.chance_keys``)."""
         return [self.probability(key, depth) for depth, key in enumerate(keys, 1)]
 
-    def record(self, match: int, verified: int, kept: int) -> None:
-        """A cycle verified the guess's first ``verified`` tokens and kept the first ``kept``: the
-        tokens up to the first rejected one were tried (their parents were kept)."""
-        self.record_keys([match] * verified, kept)
-
-    def record_keys(self, keys: Sequence[int], kept: int) -> None:
-        """``record`` for a guess whose verified tokens are in buckets ``keys``."""
+    def record(self, keys: Sequence[int], kept: int) -> None:
+        """A cycle verified a guess's first ``len(keys)`` tokens (their buckets, as ``chances``
+        takes them) and kept the first ``kept``: the tokens up to the first rejected one were
+        tried (their parents were kept)."""
         for depth in range(1, min(len(keys), kept + 1) + 1):
             key = self._key(keys[depth - 1], depth)
             self._tries[key] = self._tries.get(key, 0.0) * self.keep + 1

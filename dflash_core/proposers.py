@@ -23,8 +23,6 @@ target pass), ``settle`` (the rule's verdict to the host: the cycle's one transf
 
 from __future__ import annotations
 
-import itertools
-import operator
 from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
 
@@ -147,7 +145,7 @@ class Draft:
     drafter_ran: bool = False  # the drafter ran this cycle (it has now seen its old context)
     lookup_only: bool = False  # lookup's guesses alone: the drafter did not run
     lookup_path: list[int] = field(default_factory=list)  # verified nodes on prompt lookup's guess, root excluded
-    lookup_match: int = 0  # the match length behind that guess (``NgramIndex.continuation``)
+    lookup_keys: list[int] = field(default_factory=list)  # their chance buckets (the match behind the guess)
     answers_path: list[int] = field(default_factory=list)  # verified nodes on the answers' guess (``corpus.py``)
     answers_keys: list[int] = field(default_factory=list)  # the chance bucket of each of its tokens (``corpus.chance_keys``)
     sampled: SampledDrafts | None = None  # drafts drawn from q, for a rule that reads it
@@ -333,11 +331,9 @@ class ChainProposer:
 
 @dataclass
 class Guess:
-    """A lookup's guess at the next tokens: the tokens, the match behind them, each one's chance
-    and chance bucket (``LookupStats``)."""
+    """A lookup's guess at the next tokens: the tokens, each one's chance and chance bucket (``LookupStats``)."""
 
     tokens: list[int]
-    match: int
     chances: list[float]
     keys: list[int]
 
@@ -365,18 +361,19 @@ class TreeProposer:
 
     def _guesses(self, count: int) -> tuple[Guess, Guess]:
         """Prompt lookup's and the answers' next ``count`` tokens (empty guesses where off)."""
-        none = Guess([], 0, [], [])
+        none = Guess([], [], [])
         if self.lookup is None:
             return none, none
         index, stats = self.lookup
         tokens, match = index.continuation(count)
-        prompt = Guess(tokens, match, stats.probabilities(match, len(tokens)), [match] * len(tokens))
+        keys = [match] * len(tokens)  # prompt lookup's buckets: the match length
+        prompt = Guess(tokens, stats.chances(keys), keys)
         if self.answers is None:
             return prompt, none
         corpus, answers_stats = self.answers
         tokens, match, support = corpus.continuation(index.tokens[-(NGRAMS[0] + MAX_BACK):], count)
         keys = chance_keys(match, support)
-        return prompt, Guess(tokens, match, answers_stats.chances(keys), keys)
+        return prompt, Guess(tokens, answers_stats.chances(keys), keys)
 
     def _guess_alone(self, anchor: int, guesses: Sequence[Guess], budget: int,
                      drafter_sits_out: bool = False) -> DraftTree | None:
@@ -394,8 +391,8 @@ class TreeProposer:
             return None
         expected = sum(tree.scores[1:])  # the chance of each node being kept, summed: tokens kept on average
         first = sum(tree.scores[n] for n in range(1, len(tree)) if tree.depths[n] == 1)
-        if not drafter_sits_out and worth_drafting(expected, first, self.verify_costs[min(nodes, len(self.verify_costs) - 1)],
-                                                   self.draft_cost, self.drafter_gain):
+        if not drafter_sits_out and worth_drafting(expected, first, self.verify_costs[nodes], self.draft_cost,
+                                                   self.drafter_gain):
             return None
         return depth_first(tree)
 
@@ -420,8 +417,9 @@ class TreeProposer:
         if not alone and self.reach is not None:  # how deep the drafter's own nodes went
             guessed = set(lookup_path) | set(answers_path)
             self.reach.record(max((tree.depths[n] for n in range(1, len(tree)) if n not in guessed), default=0))
-        shared = dict(drafter_ran=not alone, lookup_only=alone, lookup_path=lookup_path, lookup_match=from_prompt.match,
-                      answers_path=answers_path, answers_keys=from_answers.keys[: len(answers_path)])
+        shared = dict(drafter_ran=not alone, lookup_only=alone, lookup_path=lookup_path,
+                      lookup_keys=from_prompt.keys[: len(lookup_path)], answers_path=answers_path,
+                      answers_keys=from_answers.keys[: len(answers_path)])
         if not tree.is_chain():
             return TreeDraft(tree=tree, **shared)
         return ChainDraft(anchor=anchor, tokens=torch.tensor(tree.tokens[1:], dtype=torch.long, device=device),
@@ -439,10 +437,9 @@ class TreeProposer:
                 self.drafter_gain = (1 - w) * self.drafter_gain + w * outcome.num_accepted
         if self.lookup is not None:
             index, stats = self.lookup
-            if draft.lookup_path:
-                stats.record(draft.lookup_match, len(draft.lookup_path), outcome.lookup_kept)
-            if self.answers is not None and draft.answers_path:
-                self.answers[1].record_keys(draft.answers_keys, outcome.answers_kept)
+            stats.record(draft.lookup_keys, outcome.lookup_kept)  # nothing where no guessed node was verified
+            if self.answers is not None:
+                self.answers[1].record(draft.answers_keys, outcome.answers_kept)
             index.extend(committed)
         self.block.saw(features, start, draft.drafter_ran)
 

@@ -182,8 +182,7 @@ def _proposer(config: GenerationConfig, rule: acceptance.Rule, sampling: accepta
     if not (config.tree or config.lookup):
         return proposers.ChainProposer(block, sampling, rule.samples_drafts, costs, now)
     lookup = (NgramIndex(committed), lookup_stats or LookupStats()) if config.lookup else None
-    return proposers.TreeProposer(block, BRANCHING if config.tree else 1, lookup, costs, tree_costs, now,
-                                  answers if config.lookup else None)
+    return proposers.TreeProposer(block, BRANCHING if config.tree else 1, lookup, costs, tree_costs, now, answers)
 
 
 @torch.inference_mode()

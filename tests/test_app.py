@@ -56,6 +56,23 @@ def test_the_speedup_says_slower_when_dflash_was_slower():
         "0.44× the speed of the target alone (40.6 vs 92.6 tok/s): slower here · identical output ✓"
 
 
+def test_the_cycle_log_names_where_each_cycles_guesses_came_from():
+    from app.recording import CycleRecord
+    from app.render import cycle_html
+
+    def cycle(**lookups: int) -> str:
+        return cycle_html(CycleRecord(index=3, drafted=["a", "b", "c"], confidence=[0.9, 0.8, 0.7], num_accepted=2,
+                                      bonus="d", target_choices=["a", "b", "x", "d"], committed=3, draft_s=0.001,
+                                      verify_s=0.005, at_s=0.1, tokens_so_far=9, **lookups))
+
+    both = cycle(lookup_nodes=2, answer_nodes=3, lookup_drafted=3, lookup_only=True)
+    assert "2 from prompt lookup" in both and "3 from earlier answers" in both and "drafter skipped" in both
+    assert both.count("tok-lookup") == 3  # every shown draft a guess's
+    drafter_only = cycle()
+    assert "from prompt lookup" not in drafter_only and "from earlier answers" not in drafter_only
+    assert "tok-lookup" not in drafter_only
+
+
 def test_binds_loopback_only(app_server):
     import psutil
 

@@ -56,12 +56,12 @@ def test_continuation_copies_after_the_latest_occurrence_of_the_longest_suffix()
 
 def test_lookup_stats_start_at_the_prior_and_learn_per_match_length_and_depth():
     stats = LookupStats(prior=0.5, prior_weight=2)
-    assert stats.probabilities(2, 4) == [0.5] * 4
-    stats.record(2, verified=5, kept=1)  # depth 1 kept, depth 2 rejected, depths 3..5 never reached
+    assert stats.chances([2] * 4) == [0.5] * 4
+    stats.record([2] * 5, kept=1)  # depth 1 kept, depth 2 rejected, depths 3..5 never reached
     assert stats.probability(2, 1) == pytest.approx(2 / 3)
     assert stats.probability(2, 2) == pytest.approx(1 / 3)
     assert stats.probability(2, 3) == 0.5
-    stats.record(2, verified=6, kept=6)  # all kept: depths 1..6 tried and kept
+    stats.record([2] * 6, kept=6)  # all kept: depths 1..6 tried and kept
     assert stats.probability(2, 7) == stats.probability(2, 3) == pytest.approx((4 + 1) / (4 + 2))  # depth 3+ share
     assert stats.probability(1, 1) == 0.5  # other match lengths untouched
 
@@ -170,14 +170,14 @@ def test_worth_drafting_weighs_the_drafters_cost_against_what_it_adds_where_the_
 def test_lookup_stats_with_memory_follow_recent_text():
     stats = LookupStats(memory=10)
     for _ in range(100):
-        stats.record(3, verified=1, kept=1)
+        stats.record([3], kept=1)
     assert stats.probability(3, 1) > 0.9
     for _ in range(30):
-        stats.record(3, verified=1, kept=0)
+        stats.record([3], kept=0)
     assert stats.probability(3, 1) < 0.15  # without memory: 101 / 132
     forever = LookupStats()
     for kept in [1] * 100 + [0] * 30:
-        forever.record(3, verified=1, kept=kept)
+        forever.record([3], kept=kept)
     assert forever.probability(3, 1) == pytest.approx(101 / 132)
 
 
@@ -232,7 +232,7 @@ def test_events_say_which_shown_drafts_the_lookup_guessed():
             assert event.lookup_drafted <= event.lookup_nodes
             marked += event.lookup_drafted
             if event.lookup_nodes:  # the kept drafts are the first shown ones
-                expected.record(match, event.lookup_nodes, min(event.lookup_drafted, event.num_accepted))
+                expected.record([match] * event.lookup_nodes, min(event.lookup_drafted, event.num_accepted))
             index.extend(event.committed)
         assert marked > 0
         # The loop recorded exactly what its events say the guesses verified and kept.
