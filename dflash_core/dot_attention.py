@@ -1,11 +1,11 @@
-"""The target's attention in one C++ call per layer, beside the compiled layers, on AVX-512 CPUs.
+"""The target's attention in one C++ call per layer, beside the compiled layers, on AVX-512 or AVX2 CPUs.
 
 ``aoti_attention``'s compiled kernel runs attention as batched matrix products over a span of the
 cache (the mask and softmax fused between them), each row padded to its span: on SmolLM2 with
 fast quantized layers it was about a fifth of an autoregressive step (2 ms of 9 at 2 rows, 4 of 20
 at 16; ``scripts/pass_parts.py``), mostly the calls' own cost at so few rows. ``csrc/q4_dot.cpp``'s
 ``write_and_attend`` writes the rows' keys and values into the cache and attends each (row, query
-head) over exactly its own positions 0..p in AVX-512 dot products: no padding to a span, no mask,
+head) over exactly its own positions 0..p in vector dot products: no padding to a span, no mask,
 one call. The query heads that share a KV head, over several rows, are attended together: they
 share the reads of its keys and values, which at a few rows bound the kernel more than its
 arithmetic (``scripts/csrc_ab.py``).
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from .int8_dot import cannot_run
+from .int8_dot import cannot_build
 from .q4_dot import library
 
 NOTE = "attention in one C++ call per layer (each row over its own positions)"
@@ -58,7 +58,7 @@ class DotAttention:
 
 def refusal(target) -> str | None:
     """Why ``DotAttention`` cannot serve ``target`` here (None where it can; its probe still decides)."""
-    why = cannot_run()
+    why = cannot_build()
     if why:
         return why
     if target.head_dim % 16 or target.head_dim > 256:

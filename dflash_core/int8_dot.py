@@ -33,22 +33,55 @@ import torch
 from .weight_formats import GROUP  # inputs per block of a GGUF's Q4_1 and Q8_0 matrices
 
 SOURCE = Path(__file__).parent / "csrc" / "int8_dot.cpp"
-FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-ffp-contract=off", "-fopenmp",
-         "-shared", "-fPIC")
+# The C++ kernels (this file's and q4_dot.cpp) are built for one of two instruction sets: AVX-512
+# with its BF16 and VNNI extensions, or AVX2 (+ FMA, F16C), where csrc/avx2_as_avx512.h gives
+# every AVX-512 intrinsic they use as two 256-bit halves, lane for lane.
+COMMON_FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
+ISA_FLAGS = {"avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni"),
+             "avx2": ("-mavx2", "-mfma", "-mf16c", "-DDFLASH_AVX2")}
 BLOCK = 16  # outputs per block of the packed codes (one fp32 register)
 
 
-def cannot_run() -> str | None:
-    """Why the kernel cannot run here (None where it can): it needs AVX512-BF16 and a C++ compiler.
-    A process told to keep to fewer instructions (``isa_emulation``) counts as that CPU."""
-    if torch.backends.cpu.get_cpu_capability() != "AVX512":
-        return f"PyTorch runs this CPU as {torch.backends.cpu.get_cpu_capability()}, not AVX512"
+def _has_avx512_bf16() -> bool:
     probe = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
-    if probe is None or not probe():
-        return "this CPU has no AVX512-BF16"
+    return probe is not None and probe()
+
+
+def build_isa() -> str | None:
+    """The instruction set the kernels are built for here: ``avx512`` where PyTorch runs the CPU
+    as AVX512 and it has AVX512-BF16, ``avx2`` where PyTorch runs it as AVX2 or AVX512 without
+    BF16, None below (or without a C++ compiler). A process told to keep to fewer instructions
+    (``isa_emulation``) counts as that CPU."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in ("AVX2", "AVX512") or shutil.which(os.environ.get("CXX", "g++")) is None:
+        return None
+    return "avx512" if capability == "AVX512" and _has_avx512_bf16() else "avx2"
+
+
+def flags() -> tuple[str, ...]:
+    return (*COMMON_FLAGS, *ISA_FLAGS[build_isa() or "avx512"])
+
+
+def cannot_build() -> str | None:
+    """Why no build of the C++ kernels runs here (None where one does): they need PyTorch to run
+    the CPU as AVX2 or AVX512, and a C++ compiler."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in ("AVX2", "AVX512"):
+        return f"PyTorch runs this CPU as {capability}, not AVX2 or AVX512"
     if shutil.which(os.environ.get("CXX", "g++")) is None:
         return "no C++ compiler (CXX or g++)"
     return None
+
+
+def cannot_run() -> str | None:
+    """Why the bf16 dot-product kernels (this one, ``q4_dot``'s) cannot run here (None where they
+    can): they need AVX512-BF16 (AVX2's form of ``vdpbf16ps`` costs more than the kernels they
+    replace) and a C++ compiler."""
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+        return f"PyTorch runs this CPU as {torch.backends.cpu.get_cpu_capability()}, not AVX512"
+    if not _has_avx512_bf16():
+        return "this CPU has no AVX512-BF16"
+    return cannot_build()
 
 
 def unavailable() -> str | None:
@@ -65,12 +98,12 @@ def unavailable() -> str | None:
 def build_digest(source: Path) -> str:
     """What a build of ``source`` depends on: its text, the headers beside it and the flags."""
     headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
-    return hashlib.sha256(source.read_bytes() + headers + " ".join(FLAGS).encode()).hexdigest()[:12]
+    return hashlib.sha256(source.read_bytes() + headers + " ".join(flags()).encode()).hexdigest()[:12]
 
 
 @functools.cache
 def compiled(source: Path) -> ctypes.CDLL:
-    """The C++ file ``source`` compiled with ``FLAGS`` and loaded, built into the cache first where
+    """The C++ file ``source`` compiled with ``flags()`` and loaded, built into the cache first where
     it is missing (named by its content and the headers beside it, so an edited source or header
     builds anew)."""
     from .aoti_kernels import build_lock, kernel_dir
@@ -97,7 +130,7 @@ def _compile(source: Path, library: Path) -> None:
     with tempfile.TemporaryDirectory(dir=library.parent) as folder:
         staged = Path(folder) / library.name
         compiler = os.environ.get("CXX", "g++")
-        done = subprocess.run([compiler, *FLAGS, str(source), "-o", str(staged)], capture_output=True, text=True)
+        done = subprocess.run([compiler, *flags(), str(source), "-o", str(staged)], capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-400:]}")
         os.replace(staged, library)

@@ -1,5 +1,5 @@
 """A GGUF's matrices as llama.cpp multiplies them: the rows rounded to int8 per group of 32, the
-products summed exactly in int32 on AVX512-VNNI, on CPUs with AVX512-BF16 and VNNI.
+products summed exactly in int32: on AVX512-VNNI, or on AVX2 (``csrc/avx2_as_avx512.h``).
 
 ``q4_dot`` multiplies a Q4_1 matrix's codes with bf16 rows through ``vdpbf16ps`` (two products per
 lane and instruction): at a verify block's 16 rows the products are then bound by that
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from .int8_dot import BLOCK, GROUP, cannot_run, file_kernel
+from .int8_dot import BLOCK, GROUP, build_isa, cannot_build, file_kernel
 from .q4_dot import library, packed
 from .weight_formats import Q8Blocks
 
@@ -32,12 +32,21 @@ Q4, Q8 = 0, 1  # csrc/q4_dot.cpp's Format
 
 
 def refusal() -> str | None:
-    """Why these kernels cannot run here (None where they can): ``q4_dot``'s needs and AVX512-VNNI."""
-    why = cannot_run()
+    """Why these kernels cannot run here (None where they can): a build of the C++ kernels, and
+    AVX512-VNNI where it is the AVX-512 build (the AVX2 build sums the byte products with
+    ``vpmaddubsw`` and ``vpmaddwd``, exact as ``vpdpbusd``, as llama.cpp does on AVX2)."""
+    why = cannot_build()
     if why:
         return why
+    if build_isa() == "avx2":
+        return None
     probe = getattr(torch.cpu, "_is_vnni_supported", None)
     return None if probe is not None and probe() else "this CPU has no AVX512-VNNI"
+
+
+def instructions() -> str:
+    """The instructions that sum the byte products here, for the load log."""
+    return "AVX2" if build_isa() == "avx2" else "AVX512-VNNI"
 
 
 def pack_q4(blocks) -> torch.Tensor:

@@ -376,7 +376,7 @@ class LoadedPair:
 
 def kernels_refusal(pair: ModelPair) -> str | None:
     """Why this CPU cannot run ``pair``'s weights format's own kernels (None where it can, or where
-    the format has none of its own): w4a8's int8 rows need AVX512-VNNI and AVX512-BF16."""
+    the format has none of its own): w4a8's int8 rows need AVX2 or AVX512-VNNI and a C++ compiler."""
     if pair.target_device != "cpu" or pair.weights != "w4a8":
         return None
     from .int8_rows import refusal

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from .aoti_drafter import W8A8_TOLERANCE, CompiledDrafterLayer, probe_layer
 from .aoti_layers import close_to_rounding
-from .int8_rows import Q8Q8DotWeight, refusal
+from .int8_rows import Q8Q8DotWeight, instructions, refusal
 from .kernels import PackedModuleForward
 from .q4_dot import library, rope_split
 from .weight_formats import QuantizedLinear, quantize_q8
@@ -219,4 +219,4 @@ def int8_rows_drafter(drafter) -> str:
     drafter.fused_pass = fused_drafter_pass(drafter)
     how = "the whole decode pass in one C++ call" if drafter.fused_pass else (
         f"{done} of {len(drafter.layers)} layers' decode passes in a few fused calls")
-    return f"Q8_0 matrices with int8 rows (VNNI) for {len(linears)} matrices and the draft head; {how}"
+    return f"Q8_0 matrices with int8 rows ({instructions()}) for {len(linears)} matrices and the draft head; {how}"

@@ -43,7 +43,7 @@ from . import cuda_graphs
 from .aoti_layers import CompiledHalf, CompiledLayer
 from .families import ADAPTERS, FusedLayer, fast_path_reason
 from .int8_dot import Int8DotWeight, Q8DotWeight, int8_dot_weight, q8_dot_weight
-from .int8_rows import Q8Q8DotWeight, q8q8_dot_weight
+from .int8_rows import Q8Q8DotWeight, instructions as int8_rows_instructions, q8q8_dot_weight
 from .kv_cache import KVCache, round_capacity
 from .rollback import CacheRollback
 from .tree import DraftTree
@@ -270,7 +270,7 @@ class FastTarget:
             missing = w8a8_rows()[1]
             weights = "int8" if missing else weights
         if weights == "w4a8" and self.device.type == "cpu":
-            # int8 rows need AVX512-VNNI: elsewhere the file's codes run with bf16 rows (int4), or int8 below
+            # int8 rows need AVX2 or AVX512-VNNI: elsewhere the file's codes run with bf16 rows (int4), or int8 below
             from .int8_rows import refusal
 
             why = refusal()
@@ -409,7 +409,7 @@ class FastTarget:
         if isinstance(kernel, Q8DotWeight):
             return "the GGUF's Q8_0 blocks through bf16 dot products"
         if isinstance(kernel, Q8Q8DotWeight):
-            return "the GGUF's Q8_0 blocks with int8 rows (VNNI)"
+            return f"the GGUF's Q8_0 blocks with int8 rows ({int8_rows_instructions()})"
         note = ("int8 through bf16 dot products" if isinstance(kernel, Int8DotWeight)
                 else "int8 through the int8 GEMM" if self.weight_format != "bf16" else "through the C++ GEMM")
         return note + (f" (not the GGUF's Q8_0 blocks: {self._file_head_why})" if self._file_head_why else "")

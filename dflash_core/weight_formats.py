@@ -433,8 +433,10 @@ def quantized_layers(layers: list, fmt: str, dtype: torch.dtype, q4_blocks: dict
         note = ("w8a8: qkv, o and gate_up int8 x int8 (rows quantized per row after SmoothQuant factors from a "
                 "calibration text), down int8 weight-only; weights requantized from the loaded ones")
     elif fmt == "w4a8":
+        from .int8_rows import instructions
+
         note = ("w4a8: " + ("the GGUF's own Q4_1 blocks" if from_file else "Q4_1 groups of 32 (requantized from the "
-                "loaded weights)") + ", the rows int8 per group of 32 as llama.cpp rounds them (AVX512-VNNI)")
+                "loaded weights)") + f", the rows int8 per group of 32 as llama.cpp rounds them ({instructions()})")
     elif from_file:
         from .q4_dot import Q4DotWeight
 

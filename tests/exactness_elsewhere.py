@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parent.parent
 EXACTNESS_TESTS = ("tests/test_aoti_layers.py", "tests/test_aoti_attention.py", "tests/test_aoti_drafter.py",
                    "tests/test_aoti_kernels.py", "tests/test_kernels.py", "tests/test_tree.py",
                    "tests/test_speculative.py", "tests/test_weight_formats.py", "tests/test_int8_dot.py",
-                   "tests/test_q4_dot.py", "tests/test_q4_layers.py")
+                   "tests/test_q4_dot.py", "tests/test_q4_layers.py", "tests/test_int8_rows.py",
+                   "tests/test_dot_attention.py")
 
 
 def exactness_tests_pass_as(isa: str, tmp_path: Path) -> None:

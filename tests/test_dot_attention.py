@@ -11,8 +11,8 @@ from dflash_core import aoti_attention, aoti_kernels, dot_attention
 from dflash_core.target import FastTarget
 from dflash_core.testing import assert_greedy_lossless, assert_greedy_tree_lossless, tiny_target, two_shape_llama
 
-needs_kernel = pytest.mark.skipif(dot_attention.cannot_run() is not None,
-                                  reason=f"the C++ kernels cannot run here: {dot_attention.cannot_run()}")
+needs_kernel = pytest.mark.skipif(dot_attention.cannot_build() is not None,
+                                  reason=f"the C++ kernels cannot run here: {dot_attention.cannot_build()}")
 
 
 def inputs(rows: list[int], heads: int = 6, kv_heads: int = 2, d: int = 32, capacity: int = 160, seed: int = 0):
@@ -68,12 +68,12 @@ def test_query_heads_that_share_reads_of_their_kv_head_get_their_lone_numbers(he
 
 
 def test_it_refuses_head_sizes_it_does_not_take_and_cpus_without_the_kernels(monkeypatch):
-    monkeypatch.setattr(dot_attention, "cannot_run", lambda: None)
+    monkeypatch.setattr(dot_attention, "cannot_build", lambda: None)
     assert dot_attention.refusal(FastTarget(tiny_target("llama"))) is None  # head_dim 16
     runner = FastTarget(tiny_target("llama"))
     runner.head_dim = 24
     assert dot_attention.refusal(runner) == "head_dim 24 is not a multiple of 16 up to 256"
-    monkeypatch.setattr(dot_attention, "cannot_run", lambda: "this CPU has no AVX512-BF16")
+    monkeypatch.setattr(dot_attention, "cannot_build", lambda: "this CPU has no AVX512-BF16")
     assert dot_attention.refusal(runner) == "this CPU has no AVX512-BF16"
 
 

@@ -98,7 +98,8 @@ def test_products_are_llama_cpps_arithmetic_to_fp32_rounding_and_rows_never_depe
 
 
 def test_where_the_cpu_has_no_vnni_the_kernels_refuse_and_say_why(monkeypatch):
-    monkeypatch.setattr(int8_rows, "cannot_run", lambda: None)
+    monkeypatch.setattr(int8_rows, "cannot_build", lambda: None)
+    monkeypatch.setattr(int8_rows, "build_isa", lambda: "avx512")
     monkeypatch.setattr(torch.cpu, "_is_vnni_supported", lambda: False)
     assert int8_rows.refusal() == "this CPU has no AVX512-VNNI"
     assert int8_rows.q4q8_dot_weight(quantize_q4(torch.randn(16, 32))) == (None, "this CPU has no AVX512-VNNI")
@@ -133,7 +134,7 @@ def test_w4a8_layers_and_q8_0_head_are_the_eager_ones_and_lossless(kernel_cache)
     assert runner.weight_note.startswith("w4a8: Q4_1 groups of 32 (requantized from the loaded weights), the rows int8")
     assert runner.kernel_note == ("3 of 3 decoder layers on the GGUF's Q4_1 codes with their norms and residual adds "
                                   f"inside the products; {attention_note(runner)}; the LM head the GGUF's Q8_0 blocks "
-                                  "with int8 rows (VNNI); every layer of a pass in one C++ call")
+                                  f"with int8 rows ({int8_rows.instructions()}); every layer of a pass in one C++ call")
     assert isinstance(runner._fused_pass, q4_layers.FusedPass)
     assert all(isinstance(layer.after.down, int8_rows.Q4Q8DotWeight) for layer in runner.layers)
     assert isinstance(runner._lm_head.kernel, int8_rows.Q8Q8DotWeight) and runner.batch_invariant
@@ -212,7 +213,7 @@ def test_the_drafter_beside_a_w4a8_target_runs_q8_0_with_int8_rows_and_keeps_the
     drafter = tiny_drafter(model, layers=2)
     eager = copy.deepcopy(drafter)
     note = q8_drafter.int8_rows_drafter(drafter)
-    assert note == ("Q8_0 matrices with int8 rows (VNNI) for 15 matrices and the draft head; the whole decode pass "
+    assert note == (f"Q8_0 matrices with int8 rows ({int8_rows.instructions()}) for 15 matrices and the draft head; the whole decode pass "
                     "in one C++ call")
     assert all(isinstance(layer.compiled, q8_drafter.Q8DrafterLayer) for layer in drafter.layers)
     assert isinstance(drafter.fused_pass, q8_drafter.FusedDrafterPass)

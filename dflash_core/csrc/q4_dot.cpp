@@ -1,6 +1,7 @@
 // y = x @ w.T for a GGUF Q4_1 matrix, w[n, k] = d[n, g] * q[n, k] + m[n, g] over groups g of 32
 // inputs: rows x (M, K) in bf16, the file's own 4-bit codes and its scales and minimums (fp16 in
-// the file: exact in fp32); fp32 out. Built by dflash_core/q4_dot.py for CPUs with AVX512-BF16.
+// the file: exact in fp32); fp32 out. Built by dflash_core/q4_dot.py for CPUs with AVX512-BF16,
+// or with AVX2 through avx2_as_avx512.h.
 //
 // A code q becomes the bf16 number 1 + q / 16 by putting it into the mantissa of 1.0 (one shift,
 // one vpternlog: exact), so per group
@@ -300,7 +301,7 @@ void tile8(const int8_t* x, const float* xs, int64_t M, int64_t K, const uint8_t
         int32_t four;
         std::memcpy(&four, row + 4 * p, sizeof four);
         const __m512i rows4 = _mm512_set1_epi32(four);
-        sum = F == Q4 ? _mm512_dpbusd_epi32(sum, codes[p], rows4) : _mm512_dpbusd_epi32(sum, rows4, codes[p]);
+        sum = F == Q4 ? dpbusd_nibbles(sum, codes[p], rows4) : _mm512_dpbusd_epi32(sum, rows4, codes[p]);
       }
       const float* s = row_scales + 2 * m;
       if constexpr (F == Q4) {
