@@ -58,8 +58,9 @@ def build_isa() -> str | None:
     return "avx512" if capability == "AVX512" and _has_avx512_bf16() else "avx2"
 
 
-def flags() -> tuple[str, ...]:
-    return (*COMMON_FLAGS, *ISA_FLAGS[build_isa() or "avx512"])
+def flags(isa: str | None = None) -> tuple[str, ...]:
+    """The compiler's flags for a build for ``isa`` (default: ``build_isa()``'s)."""
+    return (*COMMON_FLAGS, *ISA_FLAGS[isa or build_isa() or "avx512"])
 
 
 def cannot_build() -> str | None:
@@ -95,23 +96,23 @@ def unavailable() -> str | None:
     return why
 
 
-def build_digest(source: Path) -> str:
+def build_digest(source: Path, isa: str | None = None) -> str:
     """What a build of ``source`` depends on: its text, the headers beside it and the flags."""
     headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
-    return hashlib.sha256(source.read_bytes() + headers + " ".join(flags()).encode()).hexdigest()[:12]
+    return hashlib.sha256(source.read_bytes() + headers + " ".join(flags(isa)).encode()).hexdigest()[:12]
 
 
 @functools.cache
-def compiled(source: Path) -> ctypes.CDLL:
-    """The C++ file ``source`` compiled with ``flags()`` and loaded, built into the cache first where
-    it is missing (named by its content and the headers beside it, so an edited source or header
-    builds anew)."""
+def compiled(source: Path, isa: str | None = None) -> ctypes.CDLL:
+    """The C++ file ``source`` compiled for ``isa`` (default: ``build_isa()``'s) and loaded, built
+    into the cache first where it is missing (named by its content, the headers beside it and the
+    flags, so an edited source or header builds anew)."""
     from .aoti_kernels import build_lock, kernel_dir
 
-    library = kernel_dir() / f"{source.stem}-{build_digest(source)}.so"
+    library = kernel_dir() / f"{source.stem}-{build_digest(source, isa)}.so"
     with build_lock(library):
         if not library.exists():
-            _compile(source, library)
+            _compile(source, library, isa)
     return ctypes.CDLL(str(library))
 
 
@@ -125,12 +126,12 @@ def _library() -> ctypes.CDLL:
     return lib
 
 
-def _compile(source: Path, library: Path) -> None:
+def _compile(source: Path, library: Path, isa: str | None = None) -> None:
     """``source`` compiled into ``library`` (staged beside it, then moved in whole)."""
     with tempfile.TemporaryDirectory(dir=library.parent) as folder:
         staged = Path(folder) / library.name
         compiler = os.environ.get("CXX", "g++")
-        done = subprocess.run([compiler, *flags(), str(source), "-o", str(staged)], capture_output=True, text=True)
+        done = subprocess.run([compiler, *flags(isa), str(source), "-o", str(staged)], capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-400:]}")
         os.replace(staged, library)

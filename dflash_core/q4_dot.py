@@ -29,8 +29,9 @@ SOURCE = Path(__file__).parent / "csrc" / "q4_dot.cpp"
 
 
 @functools.cache
-def library():
-    lib = compiled(SOURCE)
+def library(isa: str | None = None):
+    """The kernels' library built for ``isa`` (default: ``int8_dot.build_isa()``'s), its entries typed."""
+    lib = compiled(SOURCE, isa)
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     lib.q4_dot.argtypes = [pointer, size, size, pointer, pointer, pointer, pointer, size, ctypes.c_int]
     lib.q4_dot_floats.argtypes = [pointer, size, size, pointer, ctypes.c_float, pointer, pointer, pointer, pointer,

@@ -1,7 +1,8 @@
 """A GGUF's matrices with int8 rows, as llama.cpp multiplies them (``int8_rows``): the layouts, the
 products (llama.cpp's arithmetic on the file's weights to fp32 rounding), every row's numbers
 independent of the rows beside it, the w4a8 target lossless with its fused layers and Q8_0 head,
-the drafter beside it on the same kernels, and the fallbacks where the CPU has no VNNI."""
+the drafter beside it on the same kernels, the builds for AVX-512 and AVX2 (the same numbers), and
+the fallbacks where the CPU has no VNNI."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import copy
 import pytest
 import torch
 
-from dflash_core import aoti_kernels, int8_rows, q4_dot, q4_layers, q8_drafter
+from dflash_core import aoti_kernels, int8_dot, int8_rows, q4_dot, q4_layers, q8_drafter
 from dflash_core.drafter import RMSNorm, apply_rope
 from dflash_core.speculative import GenerationConfig, collect, stream
 from dflash_core.target import FastTarget
@@ -103,6 +104,48 @@ def test_where_the_cpu_has_no_vnni_the_kernels_refuse_and_say_why(monkeypatch):
     monkeypatch.setattr(torch.cpu, "_is_vnni_supported", lambda: False)
     assert int8_rows.refusal() == "this CPU has no AVX512-VNNI"
     assert int8_rows.q4q8_dot_weight(quantize_q4(torch.randn(16, 32))) == (None, "this CPU has no AVX512-VNNI")
+
+
+def test_the_kernels_build_for_avx512_or_avx2_by_what_pytorch_runs_the_cpu_as(monkeypatch):
+    monkeypatch.setattr(int8_dot.shutil, "which", lambda name: f"/usr/bin/{name}")
+    for capability, bf16, isa in (("AVX512", True, "avx512"), ("AVX512", False, "avx2"), ("AVX2", False, "avx2"),
+                                  ("DEFAULT", False, None)):
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
+        monkeypatch.setattr(int8_dot, "_has_avx512_bf16", lambda b=bf16: b)
+        monkeypatch.setattr(torch.cpu, "_is_vnni_supported", lambda: True)
+        assert int8_dot.build_isa() == isa, capability
+        if isa is None:
+            assert int8_rows.refusal() == "PyTorch runs this CPU as DEFAULT, not AVX2 or AVX512"
+            continue
+        assert int8_rows.refusal() is None, capability  # w4a8 runs on either build
+        assert ("-DDFLASH_AVX2" in int8_dot.flags()) == (isa == "avx2")
+        assert (int8_dot.cannot_run() is None) == (isa == "avx512")  # the bf16 dot products need AVX512-BF16
+        assert int8_rows.instructions() == ("AVX2" if isa == "avx2" else "AVX512-VNNI")
+    assert int8_dot.build_digest(q4_dot.SOURCE, "avx2") != int8_dot.build_digest(q4_dot.SOURCE, "avx512")
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    monkeypatch.setattr(int8_dot.shutil, "which", lambda name: None)
+    assert int8_dot.build_isa() is None and int8_rows.refusal() == "no C++ compiler (CXX or g++)"
+
+
+@needs_kernels
+@pytest.mark.parametrize("fmt", ["q4", "q8"])
+def test_the_avx2_build_computes_the_avx512_builds_numbers(fmt, kernel_cache):
+    # The AVX2 tiles sum the same exact integers and take the same float steps after them; an
+    # AVX-512 CPU runs both builds (elsewhere the products test above checks the AVX2 build alone).
+    if int8_dot.build_isa() != "avx512":
+        pytest.skip(f"only a CPU that runs the AVX-512 build runs both (this one: {int8_dot.build_isa()})")
+    generator = torch.Generator().manual_seed(2)
+    weight = torch.randn(960, 576, generator=generator) / 24
+    blocks = quantize_q4(weight) if fmt == "q4" else quantize_q8(weight)
+    kernel = int8_rows.Q4Q8DotWeight(blocks) if fmt == "q4" else int8_rows.Q8Q8DotWeight(blocks)
+    rows, gate_up = torch.randn(17, 576, generator=generator), torch.randn(17, 1152, generator=generator)
+    norm, add = torch.rand(576, generator=generator) + 0.5, torch.randn(17, 960, generator=generator)
+    avx2 = copy.copy(kernel)
+    avx2._floats, avx2._glu = q4_dot.library("avx2").int8_rows_floats, q4_dot.library("avx2").int8_rows_glu
+    for count in (1, 2, 5, 16, 17):
+        assert torch.equal(avx2.floats(rows[:count], norm, 1e-5, add=add[:count]),
+                           kernel.floats(rows[:count], norm, 1e-5, add=add[:count])), count
+        assert torch.equal(avx2.glu(gate_up[:count]), kernel.glu(gate_up[:count])), count
 
 
 @needs_kernels

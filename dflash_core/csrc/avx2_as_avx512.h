@@ -6,8 +6,7 @@
 // order as the AVX-512 instruction's, so the kernels' fixed summation orders (a row's numbers
 // independent of the rows beside it) hold here too. The instructions AVX2 lacks:
 //   vpdpbusd  byte products summed four to a lane: vpmaddubsw's pairs (16 bits, exact while they
-//             fit: the unsigned bytes split into nibbles) then vpmaddwd by ones (``dpbusd_nibbles``
-//             skips the split where the unsigned bytes are known to be nibbles, as Q4_1 codes are);
+//             fit: the unsigned bytes split into nibbles) then vpmaddwd by ones;
 //   vdpbf16ps each lane's odd pair's product added, then its even pair's (the instruction's order;
 //             a bf16 product is exact in fp32, so an FMA adds it with the instruction's one rounding);
 //   vcvtneps2bf16  to nearest, ties to even, by integer arithmetic (finite values);
@@ -170,19 +169,16 @@ inline __m128i cvtepi32_epi8(i512 a) {
   return _mm_packs_epi16(_mm256_castsi256_si128(words), _mm256_extracti128_si256(words, 1));
 }
 
-// Four unsigned bytes of a times four signed bytes of b summed into each int32 lane of acc, for
-// unsigned bytes below 16 (vpmaddubsw's 16-bit pair sums then stay below 2 * 15 * 128: exact).
-inline __m256i dpbusd_nibbles_half(__m256i acc, __m256i a, __m256i b) {
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1)));
+// vpdpbusd: four unsigned bytes of a times four signed bytes of b summed into each int32 lane, the
+// unsigned bytes' low and high nibbles apart (vpmaddubsw's 16-bit pair sums then stay below
+// 2 x 15 x 128: exact), the high ones' sums times 16. (q4_dot.cpp's tiles have faster AVX2 forms.)
+inline __m256i nibble_products(__m256i a, __m256i b) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1));
 }
-inline i512 dpbusd_nibbles(i512 acc, i512 a, i512 b) {
-  return {dpbusd_nibbles_half(acc.lo, a.lo, b.lo), dpbusd_nibbles_half(acc.hi, a.hi, b.hi)};
-}
-// Any unsigned bytes: their low and high nibbles apart, the high ones' sums times 16.
 inline __m256i dpbusd_half(__m256i acc, __m256i a, __m256i b) {
   const __m256i nibble = _mm256_set1_epi8(0x0F);
-  const __m256i low = dpbusd_nibbles_half(_mm256_setzero_si256(), _mm256_and_si256(a, nibble), b);
-  const __m256i high = dpbusd_nibbles_half(_mm256_setzero_si256(), _mm256_and_si256(_mm256_srli_epi16(a, 4), nibble), b);
+  const __m256i low = nibble_products(_mm256_and_si256(a, nibble), b);
+  const __m256i high = nibble_products(_mm256_and_si256(_mm256_srli_epi16(a, 4), nibble), b);
   return _mm256_add_epi32(acc, _mm256_add_epi32(low, _mm256_slli_epi32(high, 4)));
 }
 inline i512 dpbusd_epi32(i512 acc, i512 a, i512 b) { return {dpbusd_half(acc.lo, a.lo, b.lo), dpbusd_half(acc.hi, a.hi, b.hi)}; }

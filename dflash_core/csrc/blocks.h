@@ -12,13 +12,6 @@
 #include <cmath>
 #include <cstdint>
 
-// vpdpbusd where the unsigned bytes are below 16 (Q4_1 codes): AVX2's form can then skip a step.
-#ifdef DFLASH_AVX2
-using avx2::dpbusd_nibbles;
-#else
-inline __m512i dpbusd_nibbles(__m512i acc, __m512i a, __m512i b) { return _mm512_dpbusd_epi32(acc, a, b); }
-#endif
-
 // ``tile(nb0)`` on each set of ``NB`` output blocks of 16 (of N / 16) across the threads, then
 // ``single(nb)`` on each block left over.
 template <int NB, typename Tile, typename Single>
