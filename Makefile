@@ -27,7 +27,7 @@ PROMPT_DEBIAN_PACKAGES := golang-github-dustin-go-humanize-dev=1.0.0-3 golang-gi
 	librust-unicode-segmentation-dev=1.9.0-1 librust-url-dev=2.3.1-1 wordnet-base=1:3.0-37
 PROMPT_SOURCES ?= runs/prompt-sources
 
-.PHONY: setup browser demo test test-fast peers bench benchmarks benchmarks-bars gen-data prompts train-bundled train-bundled-fresh clean
+.PHONY: setup browser demo test test-fast peers bench benchmarks benchmarks-bars benchmarks-avx2 gen-data prompts train-bundled train-bundled-fresh clean
 
 # The recipe from nothing (train-bundled-fresh, the previous bundled drafter's: about 2.4 hours on 2 idle CPU
 # cores, measured; resumable) and its budgets; gen-data takes GEN_MINUTES per run.
@@ -138,6 +138,16 @@ benchmarks-bars: bench
 	$(PEER_PAIRS)
 	$(PY) -m dflash_core bench-report runs/bench/humaneval-b16 $(PEER_RUNS) \
 	  --drafter assets/drafters/smollm2-135m-dflash --notes $(BARS_NOTES) --out $(BARS_PAGE) --made-by "make benchmarks-bars"
+
+# On an AVX2-only CPU: the default pair's `make bench` and the bf16 pair's run (the pair such CPUs
+# loaded instead before the w4a8 kernels built for AVX2; 10 prompts: it is slow there), on their own
+# page (about 70 minutes on a 2-core EPYC Zen 1).
+benchmarks-avx2: bench
+	$(BENCH) --pair smollm2-135m --prompts humaneval --limit 10 --block-size 16 --methods ar,dflash,dflash_tree_lookup_adaptive,llama_cpp \
+	  --out runs/bench/bf16-humaneval-b16
+	$(PY) -m dflash_core bench-report runs/bench/humaneval-b16 runs/bench/bf16-humaneval-b16 \
+	  --drafter assets/drafters/smollm2-135m-dflash --notes docs/benchmark-notes-avx2.md --out docs/BENCHMARKS-AVX2.md \
+	  --made-by "make benchmarks-avx2"
 
 # The committed training data (docs/TRAINING.md, "Growing the data"): `make gen-data` adds shards of
 # the target's answers for GEN_MINUTES (per run; resumable, any number of runs), `make train-bundled`

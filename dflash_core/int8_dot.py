@@ -52,10 +52,9 @@ def build_isa() -> str | None:
     as AVX512 and it has AVX512-BF16, ``avx2`` where PyTorch runs it as AVX2 or AVX512 without
     BF16, None below (or without a C++ compiler). A process told to keep to fewer instructions
     (``isa_emulation``) counts as that CPU."""
-    capability = torch.backends.cpu.get_cpu_capability()
-    if capability not in ("AVX2", "AVX512") or shutil.which(os.environ.get("CXX", "g++")) is None:
+    if cannot_build() is not None:
         return None
-    return "avx512" if capability == "AVX512" and _has_avx512_bf16() else "avx2"
+    return "avx512" if torch.backends.cpu.get_cpu_capability() == "AVX512" and _has_avx512_bf16() else "avx2"
 
 
 def flags(isa: str | None = None) -> tuple[str, ...]:
@@ -76,8 +75,8 @@ def cannot_build() -> str | None:
 
 def cannot_run() -> str | None:
     """Why the bf16 dot-product kernels (this one, ``q4_dot``'s) cannot run here (None where they
-    can): they need AVX512-BF16 (AVX2's form of ``vdpbf16ps`` costs more than the kernels they
-    replace) and a C++ compiler."""
+    can): they need AVX512-BF16 (their AVX2 build, ``vdpbf16ps`` as two FMAs a lane, compiles but
+    is not measured against the kernels it would replace there) and a C++ compiler."""
     if torch.backends.cpu.get_cpu_capability() != "AVX512":
         return f"PyTorch runs this CPU as {torch.backends.cpu.get_cpu_capability()}, not AVX512"
     if not _has_avx512_bf16():
