@@ -213,7 +213,10 @@ def test_real_browser_runs_a_generation_and_shows_coloured_tokens_and_plots(app_
         speedup = page.locator("#dfs-speedup").inner_text()
         assert re.search(r"[\d.]+× (?:faster than|the speed of) the target alone \([\d.]+ vs [\d.]+ tok/s\)(?:: slower here)?", speedup), speedup
         assert "identical output" in speedup
-        assert "tree of" in page.locator("#dfs-log").inner_text()
+        # Each cycle in the log with its tokens and times (whether the adaptive variant verified trees
+        # or skipped the drafter is the costs it measured on this machine: the tree-alone run below
+        # shows a tree's row).
+        assert re.search(r"#\d+ \d+ token\(s\) · draft \d+ ms · verify \d+ ms", page.locator("#dfs-log").inner_text())
         title = page.locator("#dfs-dflash .tok").first.get_attribute("title")
         assert "cycle" in title
         # What the page shows is the CLI's greedy text, for the same prompt and settings.
@@ -265,6 +268,10 @@ def test_real_browser_runs_a_generation_and_shows_coloured_tokens_and_plots(app_
         generate_in_page(page, "Say hi.", until="done")
         assert "plain DFlash" in page.locator("#dfs-status").inner_text()
         assert "tree of" not in page.locator("#dfs-log").inner_text()
+        page.locator("#dfs-tree input").check()  # a tree alone: every cycle verifies a tree of drafts
+        generate_in_page(page, prompt, until="running", max_new_tokens=48)
+        wait_for_status(page, "done", 240_000)
+        assert "tree of" in page.locator("#dfs-log").inner_text()
         page.locator("#dfs-variant input[value=fastest]").check()
         generate_in_page(page, prompt, until="running", max_new_tokens=64)
         wait_for_status(page, "done", 240_000)  # "done" of this run, not of the one before
