@@ -259,92 +259,64 @@ void quantize_rows(const float* x, int64_t M, int64_t K, bool shift, int8_t* cod
 }
 
 #ifdef DFLASH_AVX2
-// tile8's AVX2 forms, one half of the block's 16 outputs at a time (its codes in eight registers of
-// the sixteen). Their int32 sums are tile8's (exact integers) and the float steps after them the
+// tile8's AVX2 form, one half of the block's 16 outputs at a time (its codes in eight registers of
+// the sixteen). Its int32 sums are tile8's (exact integers) and the float steps after them the
 // same, so a row's numbers are what the AVX-512 build computes.
-//
-// Q4: vpmaddubsw multiplies the codes (unsigned, below 16) with the rows' bytes into 16-bit pair
-// sums; a row's eight of a group are added in 16 bits (each lane at most 8 x 2 x 15 x 127 = 30,480:
-// exact) and widened once by vpmaddwd: half the multiplies of a vpdpbusd emulated per step.
-template <int MB>
-void tile8_q4_avx2(const int8_t* x, const float* xs, int64_t M, int64_t K, const uint8_t* q, const float* add, float* y,
-                   int64_t N, int64_t nb) {
+//   Q4: vpmaddubsw multiplies the codes (unsigned, below 16) with the rows' bytes into 16-bit pair
+//       sums; a row's eight of a group are added in 16 bits (each lane at most 8 x 2 x 15 x 127 =
+//       30,480: exact) and widened once by vpmaddwd: half the multiplies of vpdpbusd emulated per step.
+//   Q8: the rows' bytes back to signed (r = stored ^ 0x80) and each product c * r as |c| * (r signed
+//       by c), vpmaddubsw's pairs then at most 2 x 128 x 127 = 32,512 (exact): sum(r * c) directly,
+//       which is tile8's sum((r + 128) * c) - 128 * sum(c).
+template <int F, int MB>
+void tile8_avx2(const int8_t* x, const float* xs, int64_t M, int64_t K, const uint8_t* q, const float* add, float* y,
+                int64_t N, int64_t nb) {
   __m256 total[2][MB];
   for (int h = 0; h < 2; ++h)
     for (int m = 0; m < MB; ++m) total[h][m] = _mm256_setzero_ps();
   const int64_t groups = K / 32;
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* run = q + (nb * groups + g) * FORMAT_BYTES<Q4>;
-    for (int line = 0; line < FORMAT_BYTES<Q4>; line += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(run + 4 * FORMAT_BYTES<Q4> + line), _MM_HINT_T0);
+    const uint8_t* run = q + (nb * groups + g) * FORMAT_BYTES<F>;
+    for (int line = 0; line < FORMAT_BYTES<F>; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(run + 4 * FORMAT_BYTES<F> + line), _MM_HINT_T0);
     const int8_t* rows = x + g * M * 32;
     const float* row_scales = xs + g * M * 2;
     for (int h = 0; h < 2; ++h) {
-      __m256i codes[8];
-      for (int t = 0; t < 4; ++t) {
-        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(run + 64 * t + 32 * h));
-        codes[2 * t] = _mm256_and_si256(w, low);
-        codes[2 * t + 1] = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
+      const auto at = [&](int offset) { return reinterpret_cast<const __m256i*>(run + offset + 32 * h); };
+      __m256i codes[8];  // Q4: the codes; Q8: their magnitudes
+      __m256 scale, minimum;
+      if constexpr (F == Q4) {
+        for (int t = 0; t < 4; ++t) {
+          const __m256i w = _mm256_loadu_si256(at(64 * t));
+          codes[2 * t] = _mm256_and_si256(w, low);
+          codes[2 * t + 1] = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
+        }
+        scale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(run + 256 + 16 * h)));
+        minimum = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(run + 288 + 16 * h)));
+      } else {
+        for (int p = 0; p < 8; ++p) codes[p] = _mm256_abs_epi8(_mm256_loadu_si256(at(64 * p)));
+        scale = _mm256_loadu_ps(reinterpret_cast<const float*>(at(512)));
       }
-      const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(run + 256 + 16 * h)));
-      const __m256 minimum = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(run + 288 + 16 * h)));
       for (int m = 0; m < MB; ++m) {
         const int8_t* row = rows + 32 * m;
-        __m256i pairs = _mm256_setzero_si256();
+        __m256i sum = _mm256_setzero_si256();  // Q4: 16-bit pair sums until widened
 #pragma GCC unroll 8
         for (int p = 0; p < 8; ++p) {
           int32_t four;
           std::memcpy(&four, row + 4 * p, sizeof four);
-          pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(codes[p], _mm256_set1_epi32(four)));
+          if constexpr (F == Q4) {
+            sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(codes[p], _mm256_set1_epi32(four)));
+          } else {
+            const __m256i signs = _mm256_loadu_si256(at(64 * p));
+            const __m256i signed_rows = _mm256_sign_epi8(_mm256_set1_epi32(four ^ static_cast<int32_t>(0x80808080u)), signs);
+            sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(codes[p], signed_rows), ones));
+          }
         }
-        const __m256i sum = _mm256_madd_epi16(pairs, ones);
+        if constexpr (F == Q4) sum = _mm256_madd_epi16(sum, ones);
         const float* s = row_scales + 2 * m;
         total[h][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(scale, _mm256_set1_ps(s[0])), total[h][m]);
-        total[h][m] = _mm256_fmadd_ps(_mm256_set1_ps(s[1]), minimum, total[h][m]);
-      }
-    }
-  }
-  __m512 out[MB][1];
-  for (int m = 0; m < MB; ++m) out[m][0] = {total[0][m], total[1][m]};
-  store(out, add, y, N, nb);
-}
-
-// Q8: the rows' bytes back to signed (r = stored ^ 0x80) and each product c * r as |c| * (r signed
-// by c), vpmaddubsw's pairs then at most 2 x 128 x 127 = 32,512 (exact): sum(r * c) directly, which
-// is tile8's sum((r + 128) * c) - 128 * sum(c).
-template <int MB>
-void tile8_q8_avx2(const int8_t* x, const float* xs, int64_t M, int64_t K, const uint8_t* q, const float* add, float* y,
-                   int64_t N, int64_t nb) {
-  __m256 total[2][MB];
-  for (int h = 0; h < 2; ++h)
-    for (int m = 0; m < MB; ++m) total[h][m] = _mm256_setzero_ps();
-  const int64_t groups = K / 32;
-  const __m256i ones = _mm256_set1_epi16(1);
-  for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* run = q + (nb * groups + g) * FORMAT_BYTES<Q8>;
-    for (int line = 0; line < FORMAT_BYTES<Q8>; line += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(run + 4 * FORMAT_BYTES<Q8> + line), _MM_HINT_T0);
-    const int8_t* rows = x + g * M * 32;
-    const float* row_scales = xs + g * M * 2;
-    for (int h = 0; h < 2; ++h) {
-      __m256i magnitude[8];
-      for (int p = 0; p < 8; ++p)
-        magnitude[p] = _mm256_abs_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(run + 64 * p + 32 * h)));
-      const __m256 scale = _mm256_loadu_ps(reinterpret_cast<const float*>(run + 512 + 32 * h));
-      for (int m = 0; m < MB; ++m) {
-        const int8_t* row = rows + 32 * m;
-        __m256i sum = _mm256_setzero_si256();
-#pragma GCC unroll 8
-        for (int p = 0; p < 8; ++p) {
-          int32_t four;
-          std::memcpy(&four, row + 4 * p, sizeof four);
-          const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(run + 64 * p + 32 * h));
-          const __m256i signed_rows = _mm256_sign_epi8(_mm256_set1_epi32(four ^ static_cast<int32_t>(0x80808080u)), codes);
-          sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude[p], signed_rows), ones));
-        }
-        const float* s = row_scales + 2 * m;
-        total[h][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(scale, _mm256_set1_ps(s[0])), total[h][m]);
+        if constexpr (F == Q4) total[h][m] = _mm256_fmadd_ps(_mm256_set1_ps(s[1]), minimum, total[h][m]);
       }
     }
   }
@@ -361,8 +333,7 @@ template <int F, int MB>
 void tile8(const int8_t* x, const float* xs, int64_t M, int64_t K, const uint8_t* q, const float* add, float* y,
            int64_t N, int64_t nb) {
 #ifdef DFLASH_AVX2
-  if constexpr (F == Q4) return tile8_q4_avx2<MB>(x, xs, M, K, q, add, y, N, nb);
-  else return tile8_q8_avx2<MB>(x, xs, M, K, q, add, y, N, nb);
+  return tile8_avx2<F, MB>(x, xs, M, K, q, add, y, N, nb);
 #endif
   __m512 total[MB][1];
   zero(total);
