@@ -33,9 +33,9 @@ import torch
 from .weight_formats import GROUP  # inputs per block of a GGUF's Q4_1 and Q8_0 matrices
 
 SOURCE = Path(__file__).parent / "csrc" / "int8_dot.cpp"
-# The C++ kernels (this file's and q4_dot.cpp) are built for one of two instruction sets: AVX-512
-# with its BF16 and VNNI extensions, or AVX2 (+ FMA, F16C), where csrc/avx2_as_avx512.h gives
-# every AVX-512 intrinsic they use as two 256-bit halves, lane for lane.
+# The C++ kernels are built for one of two instruction sets: AVX-512 with its BF16 and VNNI
+# extensions, or AVX2 (+ FMA, F16C): q4_dot.cpp's int8-rows kernels only, csrc/avx2_as_avx512.h
+# giving the AVX-512 intrinsics they use as two 256-bit halves, lane for lane.
 COMMON_FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 ISA_FLAGS = {"avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni"),
              "avx2": ("-mavx2", "-mfma", "-mf16c", "-DDFLASH_AVX2")}
@@ -75,8 +75,7 @@ def cannot_build() -> str | None:
 
 def cannot_run() -> str | None:
     """Why the bf16 dot-product kernels (this one, ``q4_dot``'s) cannot run here (None where they
-    can): they need AVX512-BF16 (their AVX2 build, ``vdpbf16ps`` as two FMAs a lane, compiles but
-    is not measured against the kernels it would replace there) and a C++ compiler."""
+    can): they need AVX512-BF16 (the AVX2 build leaves them out) and a C++ compiler."""
     if torch.backends.cpu.get_cpu_capability() != "AVX512":
         return f"PyTorch runs this CPU as {torch.backends.cpu.get_cpu_capability()}, not AVX512"
     if not _has_avx512_bf16():

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from .int8_dot import BLOCK, GROUP, cannot_run, compiled, file_kernel
+from .int8_dot import BLOCK, GROUP, build_isa, cannot_run, compiled, file_kernel
 
 SOURCE = Path(__file__).parent / "csrc" / "q4_dot.cpp"
 
@@ -33,10 +33,12 @@ def library(isa: str | None = None):
     """The kernels' library built for ``isa`` (default: ``int8_dot.build_isa()``'s), its entries typed."""
     lib = compiled(SOURCE, isa)
     pointer, size = ctypes.c_void_p, ctypes.c_int64
-    lib.q4_dot.argtypes = [pointer, size, size, pointer, pointer, pointer, pointer, size, ctypes.c_int]
-    lib.q4_dot_floats.argtypes = [pointer, size, size, pointer, ctypes.c_float, pointer, pointer, pointer, pointer,
-                                  pointer, size, ctypes.c_int]
-    lib.q4_dot_glu.argtypes = [pointer, size, size, pointer, pointer, pointer, pointer, pointer, size, ctypes.c_int]
+    bf16 = (isa or build_isa()) == "avx512"  # the bf16 dot products are built for AVX512-BF16 only
+    if bf16:
+        lib.q4_dot.argtypes = [pointer, size, size, pointer, pointer, pointer, pointer, size, ctypes.c_int]
+        lib.q4_dot_floats.argtypes = [pointer, size, size, pointer, ctypes.c_float, pointer, pointer, pointer, pointer,
+                                      pointer, size, ctypes.c_int]
+        lib.q4_dot_glu.argtypes = [pointer, size, size, pointer, pointer, pointer, pointer, pointer, size, ctypes.c_int]
     lib.rope_split.argtypes = [pointer, size, size, size, size, pointer, pointer, size, pointer, pointer,
                                ctypes.c_float, ctypes.c_int, pointer, pointer, pointer]
     lib.int8_rows_floats.argtypes = [ctypes.c_int, pointer, size, size, pointer, ctypes.c_float, pointer, pointer,
@@ -47,8 +49,9 @@ def library(isa: str | None = None):
                               [ctypes.c_float, pointer, pointer, pointer, size, size, pointer, pointer, ctypes.c_int])
     lib.q8_drafter_pass.argtypes = ([pointer, size, pointer, pointer, size, pointer, size, size, pointer, pointer,
                                      pointer] + [size] * 5 + [pointer] * 6 + [size] * 3 + [ctypes.c_int])  # q8_drafter
-    for function in (lib.q4_dot, lib.q4_dot_floats, lib.q4_dot_glu, lib.rope_split, lib.int8_rows_floats,
-                     lib.int8_rows_glu, lib.write_and_attend, lib.w4a8_pass, lib.q8_drafter_pass):
+    bf16_entries = (lib.q4_dot, lib.q4_dot_floats, lib.q4_dot_glu) if bf16 else ()
+    for function in (*bf16_entries, lib.rope_split, lib.int8_rows_floats, lib.int8_rows_glu, lib.write_and_attend,
+                     lib.w4a8_pass, lib.q8_drafter_pass):
         function.restype = None
     return lib
 

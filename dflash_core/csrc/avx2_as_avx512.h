@@ -1,16 +1,14 @@
-// The AVX-512 intrinsics the kernels use, on AVX2 + FMA + F16C: each 512-bit vector is two 256-bit
-// halves, each instruction its lane-for-lane equivalent, so that the same C++ (q4_dot.cpp,
-// int8_dot.cpp) builds for AVX2-only CPUs (``-DDFLASH_AVX2``; int8_dot.py chooses the build).
+// The AVX-512 intrinsics q4_dot.cpp's int8-rows kernels use (row quantization, SiLU, attention,
+// stores), on AVX2 + FMA + F16C: each 512-bit vector is two 256-bit halves, each instruction its
+// lane-for-lane equivalent, so that the same C++ builds for AVX2-only CPUs (``-DDFLASH_AVX2``;
+// int8_dot.py chooses the build). The int8 products themselves have their own AVX2 tile
+// (q4_dot.cpp's tile8_avx2); the bf16 dot-product kernels are left out of the AVX2 build.
 //
 // Lane-for-lane means the same numbers: every lane's arithmetic is the same operations in the same
 // order as the AVX-512 instruction's, so the kernels' fixed summation orders (a row's numbers
-// independent of the rows beside it) hold here too. The instructions AVX2 lacks:
-//   vpdpbusd  byte products summed four to a lane: vpmaddubsw's pairs (16 bits, exact while they
-//             fit: the unsigned bytes split into nibbles) then vpmaddwd by ones;
-//   vdpbf16ps each lane's odd pair's product added, then its even pair's (the instruction's order;
-//             a bf16 product is exact in fp32, so an FMA adds it with the instruction's one rounding);
-//   vcvtneps2bf16  to nearest, ties to even, by integer arithmetic (finite values);
-//   masks     lane masks made from the mask's bits.
+// independent of the rows beside it) hold here too. What AVX2 lacks: vscalefps (two exact powers
+// of two, so the product rounds once), vpmovdb (saturating packs: the same bytes for the codes'
+// range), horizontal reductions (the order GCC's AVX-512 forms use), masks (lane masks from bits).
 // Included by blocks.h after <immintrin.h>: the names below then mean these functions.
 #pragma once
 
@@ -25,12 +23,6 @@ struct f32x16 {
 };
 struct i512 {
   __m256i lo, hi;
-};
-struct bf16x32 {  // 32 bf16 numbers (the bit patterns), word order as in a 512-bit register
-  __m256i lo, hi;
-  bf16x32() = default;
-  bf16x32(__m256i l, __m256i h) : lo(l), hi(h) {}
-  explicit bf16x32(const i512& v) : lo(v.lo), hi(v.hi) {}
 };
 struct f64x8 {
   __m256d lo, hi;
@@ -92,10 +84,6 @@ inline float reduce_add_ps(f32x16 a) {  // halves, then 128-bit halves, then pai
   x = _mm_add_ss(x, _mm_shuffle_ps(x, x, 1));
   return _mm_cvtss_f32(x);
 }
-inline f32x16 cvtph_ps(__m256i h) {
-  return {_mm256_cvtph_ps(_mm256_castsi256_si128(h)), _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1))};
-}
-inline f32x16 cvtepi32_ps(i512 a) { return {_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)}; }
 inline i512 cvtps_epi32(f32x16 a) { return {_mm256_cvtps_epi32(a.lo), _mm256_cvtps_epi32(a.hi)}; }
 
 // masks: lane i of a half set where bit i (of that half's 8) is
@@ -135,26 +123,7 @@ inline f32x16 shuffle_f32x4(f32x16 a, f32x16 b) {
 }
 
 // integers
-inline i512 loadu_si512(const void* p) {
-  const __m256i* at = static_cast<const __m256i*>(p);
-  return {_mm256_loadu_si256(at), _mm256_loadu_si256(at + 1)};
-}
-inline i512 setzero_si512() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
-inline i512 set1_epi32(int x) { return {_mm256_set1_epi32(x), _mm256_set1_epi32(x)}; }
-inline i512 set1_epi16(short x) { return {_mm256_set1_epi16(x), _mm256_set1_epi16(x)}; }
-inline i512 set1_epi8(char x) { return {_mm256_set1_epi8(x), _mm256_set1_epi8(x)}; }
-inline i512 and_si512(i512 a, i512 b) { return {_mm256_and_si256(a.lo, b.lo), _mm256_and_si256(a.hi, b.hi)}; }
 inline i512 add_epi32(i512 a, i512 b) { return {_mm256_add_epi32(a.lo, b.lo), _mm256_add_epi32(a.hi, b.hi)}; }
-inline i512 sub_epi32(i512 a, i512 b) { return {_mm256_sub_epi32(a.lo, b.lo), _mm256_sub_epi32(a.hi, b.hi)}; }
-template <int N>
-inline i512 srli_epi16(i512 a) { return {_mm256_srli_epi16(a.lo, N), _mm256_srli_epi16(a.hi, N)}; }
-template <int N>
-inline i512 slli_epi16(i512 a) { return {_mm256_slli_epi16(a.lo, N), _mm256_slli_epi16(a.hi, N)}; }
-template <int IMM>
-inline i512 ternarylogic_epi32(i512 a, i512 b, i512 c) {
-  static_assert(IMM == 0xEA, "only (a & b) | c is emulated");
-  return {_mm256_or_si256(_mm256_and_si256(a.lo, b.lo), c.lo), _mm256_or_si256(_mm256_and_si256(a.hi, b.hi), c.hi)};
-}
 inline int reduce_add_epi32(i512 a) {
   const __m256i s = _mm256_add_epi32(a.lo, a.hi);
   __m128i x = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
@@ -162,52 +131,16 @@ inline int reduce_add_epi32(i512 a) {
   x = _mm_add_epi32(x, _mm_shuffle_epi32(x, 0xB1));
   return _mm_cvtsi128_si32(x);
 }
-inline i512 cvtepi8_epi32(__m128i a) { return {_mm256_cvtepi8_epi32(a), _mm256_cvtepi8_epi32(_mm_srli_si128(a, 8))}; }
 // Saturating where vpmovdb truncates: the same bytes for values in -128..127 (the kernels' codes).
 inline __m128i cvtepi32_epi8(i512 a) {
   const __m256i words = _mm256_permute4x64_epi64(_mm256_packs_epi32(a.lo, a.hi), 0xD8);
   return _mm_packs_epi16(_mm256_castsi256_si128(words), _mm256_extracti128_si256(words, 1));
 }
 
-// vpdpbusd: four unsigned bytes of a times four signed bytes of b summed into each int32 lane, the
-// unsigned bytes' low and high nibbles apart (vpmaddubsw's 16-bit pair sums then stay below
-// 2 x 15 x 128: exact), the high ones' sums times 16. (q4_dot.cpp's tiles have faster AVX2 forms.)
-inline __m256i nibble_products(__m256i a, __m256i b) {
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1));
-}
-inline __m256i dpbusd_half(__m256i acc, __m256i a, __m256i b) {
-  const __m256i nibble = _mm256_set1_epi8(0x0F);
-  const __m256i low = nibble_products(_mm256_and_si256(a, nibble), b);
-  const __m256i high = nibble_products(_mm256_and_si256(_mm256_srli_epi16(a, 4), nibble), b);
-  return _mm256_add_epi32(acc, _mm256_add_epi32(low, _mm256_slli_epi32(high, 4)));
-}
-inline i512 dpbusd_epi32(i512 acc, i512 a, i512 b) { return {dpbusd_half(acc.lo, a.lo, b.lo), dpbusd_half(acc.hi, a.hi, b.hi)}; }
-
-// bf16
-inline __m256 dpbf16_half(__m256 acc, __m256i a, __m256i b) {
-  const __m256i top = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
-  const auto odd = [&](__m256i v) { return _mm256_castsi256_ps(_mm256_and_si256(v, top)); };
-  const auto even = [](__m256i v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); };
-  acc = _mm256_fmadd_ps(odd(a), odd(b), acc);
-  return _mm256_fmadd_ps(even(a), even(b), acc);
-}
-inline f32x16 dpbf16_ps(f32x16 acc, bf16x32 a, bf16x32 b) {
-  return {dpbf16_half(acc.lo, a.lo, b.lo), dpbf16_half(acc.hi, a.hi, b.hi)};
-}
-inline __m128i bf16_half(__m256 x) {  // 8 floats to 8 bf16, to nearest, ties to even
-  const __m256i bits = _mm256_castps_si256(x);
-  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7FFF)), odd), 16);
-  return _mm_packus_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1));
-}
-inline __m256i cvtneps_pbh(f32x16 x) { return _mm256_set_m128i(bf16_half(x.hi), bf16_half(x.lo)); }
-inline bf16x32 cvtne2ps_pbh(f32x16 hi, f32x16 lo) { return {cvtneps_pbh(lo), cvtneps_pbh(hi)}; }
-
 }  // namespace avx2
 
 #define __m512 avx2::f32x16
 #define __m512i avx2::i512
-#define __m512bh avx2::bf16x32
 #define __m512d avx2::f64x8
 #define _mm512_set1_ps avx2::set1_ps
 #define _mm512_setzero_ps avx2::setzero_ps
@@ -227,8 +160,6 @@ inline bf16x32 cvtne2ps_pbh(f32x16 hi, f32x16 lo) { return {cvtneps_pbh(lo), cvt
 #define _mm512_scalef_ps avx2::scalef_ps
 #define _mm512_reduce_max_ps avx2::reduce_max_ps
 #define _mm512_reduce_add_ps avx2::reduce_add_ps
-#define _mm512_cvtph_ps avx2::cvtph_ps
-#define _mm512_cvtepi32_ps avx2::cvtepi32_ps
 #define _mm512_cvtps_epi32 avx2::cvtps_epi32
 #define _mm512_maskz_loadu_ps avx2::maskz_loadu_ps
 #define _mm512_mask_storeu_ps avx2::mask_storeu_ps
@@ -242,24 +173,6 @@ inline bf16x32 cvtne2ps_pbh(f32x16 hi, f32x16 lo) { return {cvtneps_pbh(lo), cvt
 #define _mm512_unpackhi_pd avx2::unpackhi_pd
 #undef _mm512_shuffle_f32x4
 #define _mm512_shuffle_f32x4(a, b, imm) avx2::shuffle_f32x4<(imm)>(a, b)
-#define _mm512_loadu_si512 avx2::loadu_si512
-#define _mm512_setzero_si512 avx2::setzero_si512
-#define _mm512_set1_epi32 avx2::set1_epi32
-#define _mm512_set1_epi16 avx2::set1_epi16
-#define _mm512_set1_epi8 avx2::set1_epi8
-#define _mm512_and_si512 avx2::and_si512
 #define _mm512_add_epi32 avx2::add_epi32
-#define _mm512_sub_epi32 avx2::sub_epi32
-#undef _mm512_srli_epi16
-#define _mm512_srli_epi16(a, n) avx2::srli_epi16<(n)>(a)
-#undef _mm512_slli_epi16
-#define _mm512_slli_epi16(a, n) avx2::slli_epi16<(n)>(a)
-#undef _mm512_ternarylogic_epi32
-#define _mm512_ternarylogic_epi32(a, b, c, imm) avx2::ternarylogic_epi32<(imm)>(a, b, c)
 #define _mm512_reduce_add_epi32 avx2::reduce_add_epi32
-#define _mm512_cvtepi8_epi32 avx2::cvtepi8_epi32
 #define _mm512_cvtepi32_epi8 avx2::cvtepi32_epi8
-#define _mm512_dpbusd_epi32 avx2::dpbusd_epi32
-#define _mm512_dpbf16_ps avx2::dpbf16_ps
-#define _mm512_cvtneps_pbh avx2::cvtneps_pbh
-#define _mm512_cvtne2ps_pbh avx2::cvtne2ps_pbh

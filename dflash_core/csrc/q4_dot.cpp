@@ -1,7 +1,7 @@
 // y = x @ w.T for a GGUF Q4_1 matrix, w[n, k] = d[n, g] * q[n, k] + m[n, g] over groups g of 32
 // inputs: rows x (M, K) in bf16, the file's own 4-bit codes and its scales and minimums (fp16 in
-// the file: exact in fp32); fp32 out. Built by dflash_core/q4_dot.py for CPUs with AVX512-BF16,
-// or with AVX2 through avx2_as_avx512.h.
+// the file: exact in fp32); fp32 out. Built by dflash_core/q4_dot.py for CPUs with AVX512-BF16;
+// the AVX2 build (avx2_as_avx512.h) leaves these bf16 entries out and keeps the int8-rows ones below.
 //
 // A code q becomes the bf16 number 1 + q / 16 by putting it into the mantissa of 1.0 (one shift,
 // one vpternlog: exact), so per group
@@ -34,6 +34,7 @@
 #include <cstring>
 #include <vector>
 
+#ifndef DFLASH_AVX2  // the bf16 dot products (q4_dot*): AVX512-BF16 CPUs only (int8_dot.cannot_run)
 namespace {
 
 constexpr int64_t GROUP_BYTES = 320;  // a group of 32 inputs for 16 outputs: codes 256, d 32, m 32
@@ -138,6 +139,7 @@ extern "C" void q4_dot_floats(const float* x, int64_t M, int64_t K, const float*
   q4_dot(rows, M, K, q, xsum, add, y, N, threads);
 }
 
+#endif  // DFLASH_AVX2
 namespace {
 
 // e^x for fp32 lanes: 2^n e^r with n = round(x / ln 2) and e^r (|r| <= ln 2 / 2) a degree-6
@@ -166,6 +168,7 @@ inline __m512 silu_times_up(const float* gate, const float* up) {
 
 }  // namespace
 
+#ifndef DFLASH_AVX2
 // q4_dot of the rows SiLU(gu[:, :I]) x gu[:, I:] (gu (M, 2 I) fp32), rounded to bf16 into the
 // scratch ``rows`` (M, I): K = I.
 extern "C" void q4_dot_glu(const float* gu, int64_t M, int64_t K, uint16_t* rows, const uint8_t* q, float* xsum,
@@ -178,6 +181,7 @@ extern "C" void q4_dot_glu(const float* gu, int64_t M, int64_t K, uint16_t* rows
   }
   q4_dot(rows, M, K, q, xsum, add, y, N, threads);
 }
+#endif
 
 // qkv (T, H + 2 KV, D) fp32 into q (T, H, D) and k (T, KV, D) with rotary applied,
 // x * cos + roll(x, D / 2) * sin as FastTarget.rope computes it, and v (T, KV, D). The tables
@@ -333,8 +337,8 @@ template <int F, int MB>
 void tile8(const int8_t* x, const float* xs, int64_t M, int64_t K, const uint8_t* q, const float* add, float* y,
            int64_t N, int64_t nb) {
 #ifdef DFLASH_AVX2
-  return tile8_avx2<F, MB>(x, xs, M, K, q, add, y, N, nb);
-#endif
+  tile8_avx2<F, MB>(x, xs, M, K, q, add, y, N, nb);
+#else
   __m512 total[MB][1];
   zero(total);
   const int64_t groups = K / 32;
@@ -385,6 +389,7 @@ void tile8(const int8_t* x, const float* xs, int64_t M, int64_t K, const uint8_t
     }
   }
   store(total, add, y, N, nb);
+#endif
 }
 
 // Up to 16 rows in one pass over the weights, the output blocks split across the threads.
