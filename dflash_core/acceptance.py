@@ -27,9 +27,12 @@ Adding a rule is adding its function and a ``RULES`` entry: the loop looks the r
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, NamedTuple
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
 import torch
+
+if TYPE_CHECKING:
+    from .target import TargetOutput
 
 
 def warp(logits: torch.Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0) -> torch.Tensor:
@@ -87,6 +90,32 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     first = blocks.amax(-1).argmax(-1)
     within = blocks[torch.arange(blocks.shape[0], device=x.device), first].argmax(-1)
     return (first * ARGMAX_BLOCK + within).view(x.shape[:-1])
+
+
+# A row's chance of being on a greedy walk's path (the drafts before it kept, as the proposer
+# estimates it) at which ``greedy_choices`` computes its logits beside the row the walk needs
+# now: a row computed in vain costs its share of the head's product, a row missed costs another
+# call, which reads the whole head again (both measured in docs/benchmark-notes-avx2.md).
+REACH_CHANCE = 0.3
+
+
+def greedy_choices(out: TargetOutput, row_needed: Callable[[list[int]], int | None],
+                   likely_after: Callable[[int], list[int]]) -> torch.Tensor:
+    """The target's argmax at the rows of ``out`` that a greedy walk reaches (rows, with -1 at rows
+    left out). ``row_needed(choices)`` names the next row whose choice the walk needs, given the
+    choices known so far (-1: not computed), or None once the walk has ended; ``likely_after(row)``
+    lists that row and the rows the walk likely needs after it. Where ``out`` computes its logits
+    as they are read, only those rows go through the head, in one call per row the walk needs
+    that no earlier call computed: a verify whose drafts part from the target early pays the head
+    for a few rows, not for the whole block. A computed row's choice is ``argmax``'s over all rows."""
+    if out.computed == out.rows:
+        return argmax(out.logits)
+    choices = [-1] * out.rows
+    while (row := row_needed(choices)) is not None:
+        rows = [r for r in likely_after(row) if choices[r] < 0]
+        for r, choice in zip(rows, argmax(out.logits_at(rows)).tolist()):
+            choices[r] = choice
+    return torch.tensor(choices)  # logits computed as read are a CPU runner's
 
 
 @dataclass(frozen=True)
@@ -150,10 +179,11 @@ class Rule:
     decide: Callable[[torch.Tensor, Sampling, SampledDrafts | None], Verdict]
     trees: bool = True  # decides by walking the target's choices, so it verifies trees too
     samples_drafts: bool = False  # reads ``SampledDrafts``: chain drafts must be drawn from q
+    walks_argmax: bool = False  # its verdict is the target's argmax: ``greedy_choices`` may stop early
 
 
 RULES: dict[str, Rule] = {
-    "greedy": Rule(greedy),
+    "greedy": Rule(greedy, walks_argmax=True),
     "match": Rule(match),
     "pq": Rule(pq, trees=False, samples_drafts=True),
 }

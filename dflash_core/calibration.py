@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 
 from .loading import cache_root
-from .speculative import _interleaved_medians
+from .speculative import _interleaved_medians, verify_pass
 from .target import TargetRunner
 
 TOLERANCE = 1.5  # a spot-checked cost may be this many times higher or lower than the cached one
@@ -98,7 +98,8 @@ def spot_check(target: TargetRunner, verify_costs: list[float], repeats: int = 3
     ids = (torch.arange(SPOT_CONTEXT + block, dtype=torch.long) % 1000 + 10) % target.vocab_size
     target.reset(SPOT_CONTEXT + block)
     target.forward(ids[:SPOT_CONTEXT], None, last_only=True)
-    calls = [lambda size=size: target.forward(ids[SPOT_CONTEXT:SPOT_CONTEXT + size], None) for size in (1, block)]
+    calls = [lambda size=size: verify_pass(target.forward(ids[SPOT_CONTEXT:SPOT_CONTEXT + size], None))
+             for size in (1, block)]
     now = _interleaved_medians(target, calls, SPOT_CONTEXT, repeats)
     cached = (verify_costs[0], verify_costs[-1])
     return all(c > 0 and 1 / TOLERANCE <= n / c <= TOLERANCE for n, c in zip(now, cached))

@@ -16,24 +16,27 @@ Adaptive proposers also let the drafter sit out while drafting does not pay
 (``DrafterReach``).
 
 A draft is a ``ChainDraft`` (flat tensors, verified by the target's plain forward) or a
-``TreeDraft`` (verified by ``forward_tree``); both answer the same three calls: ``verify`` (one
-target pass), ``settle`` (the rule's verdict to the host: the cycle's one transfer) and
-``commit`` (the target's cache and features cut to what was kept).
+``TreeDraft`` (verified by ``forward_tree``); both answer the same calls: ``verify`` (one
+target pass), ``row_needed`` and ``likely_after`` (for a greedy verdict: the next row whose
+target choice the walk needs, and the rows it likely needs after it: ``acceptance.greedy_choices``),
+``settle`` (the rule's verdict to the host: the cycle's one transfer) and ``commit`` (the
+target's cache and features cut to what was kept).
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
 
 import torch
 
-from .acceptance import Sampling, SampledDrafts, Verdict, sample
+from .acceptance import REACH_CHANCE, Sampling, SampledDrafts, Verdict, sample
 from .corpus import MAX_BACK, NGRAMS, AnswerCorpus, chance_keys
 from .drafter import DFlashDrafter
 from .lookup import LookupStats, NgramIndex, graft, worth_drafting
 from .target import TargetOutput, TargetRunner
-from .tree import BRANCHING, DraftTree, best_extension, build_tree, chain_tree, depth_first, walk
+from .tree import BRANCHING, DraftTree, best_extension, build_tree, chain_tree, depth_first, node_needed, walk
 
 DRAFT_COST_WEIGHT = 0.1  # weight of the newest cycle in the running means of the drafter's cost and gain
 PAYS_WEIGHT = 0.3  # weight of the newest drafting cycle in DraftingMeter's means (it must notice a change of text)
@@ -131,7 +134,9 @@ class Outcome:
     bonus: int
     drafted: list[int]  # the drafts an event shows: the kept ones first
     confidence: list[float]  # the drafter's probability of each of ``drafted``
-    target_choices: list[int]  # the target's token at each node of the shown path ([] if the rule drew none)
+    # the target's token at each node of the shown path, as far as it was computed (a greedy walk
+    # computes it up to the first disagreement at least: acceptance.greedy_choices); [] if the rule drew none
+    target_choices: list[int]
     lookup_drafted: int = 0  # how many of ``drafted`` (from the first) a lookup (prompt or answers) guessed
     lookup_kept: int = 0  # how many of prompt lookup's verified nodes were kept
     answers_kept: int = 0  # how many of the answers' guess's verified nodes were kept
@@ -167,6 +172,28 @@ class ChainDraft(Draft):
         block = torch.cat((torch.tensor([self.anchor], device=target.device), self.tokens))
         return target.forward(block, layer_ids)
 
+    def row_needed(self, choices: list[int]) -> int | None:
+        """The next row whose target choice a greedy walk needs, given those known (-1: not yet;
+        ``acceptance.greedy_choices``): the first unknown one while every draft before it matched."""
+        drafts = self.tokens.tolist()
+        for row, choice in enumerate(choices):
+            if choice < 0:
+                return row
+            if row == len(drafts) or choice != drafts[row]:
+                return None
+        return None
+
+    def likely_after(self, row: int) -> list[int]:
+        """``row``, then the rows after it while the drafter's chance of keeping every draft from
+        there is at least ``REACH_CHANCE``."""
+        rows, chance = [row], 1.0
+        for slot, confidence in enumerate(self.confidence.tolist()[row:], start=row):
+            chance *= confidence
+            if chance < REACH_CHANCE:
+                break
+            rows.append(slot + 1)
+        return rows
+
     def settle(self, verdict: Verdict) -> Outcome:
         k = len(self.tokens)
         head = () if verdict.num_accepted is None else (verdict.num_accepted.view(1), verdict.bonus.view(1))
@@ -175,7 +202,8 @@ class ChainDraft(Draft):
         values = torch.cat((packed, self.confidence.float())).tolist()
         h, c = len(head), len(verdict.choices)
         drafted = [int(v) for v in values[h : h + k]]
-        choices = [int(v) for v in values[h + k : h + k + c]]
+        # -1: a row a greedy walk left out (acceptance.greedy_choices), all after its end
+        choices = [int(v) for v in itertools.takewhile(lambda v: v >= 0, values[h + k : h + k + c])]
         if head:
             accepted, bonus = int(values[0]), int(values[1])
         else:  # keep drafts while they equal the target's choice
@@ -206,16 +234,28 @@ class TreeDraft(Draft):
     def verify(self, target: TargetRunner, layer_ids: Sequence[int] | None) -> TargetOutput:
         return target.forward_tree(self.tree, layer_ids)
 
+    def row_needed(self, choices: list[int]) -> int | None:
+        """The next node whose target choice a greedy walk needs (``acceptance.greedy_choices``)."""
+        return node_needed(self.tree, choices)
+
+    def likely_after(self, node: int) -> list[int]:
+        """``node``, then its likeliest descendants (``best_extension``) while their estimated
+        chance of being kept, given ``node`` reached, is at least ``REACH_CHANCE``."""
+        scores = self.tree.scores
+        below = best_extension(self.tree, [node])
+        return [n for n in below if scores[n] >= REACH_CHANCE * scores[node]]
+
     def settle(self, verdict: Verdict) -> Outcome:
         tree = self.tree
         choices = verdict.choices.tolist()  # the cycle's one host transfer
         kept, bonus = walk(tree, choices)
         shown = best_extension(tree, kept)
+        chosen = list(itertools.takewhile(lambda n: choices[n] >= 0, shown))  # those the target computed
         lookup, answers = set(self.lookup_path), set(self.answers_path)
         # All three are paths from the root: what they share with a guess's path is a prefix.
         return Outcome(len(kept) - 1, bonus, [tree.tokens[n] for n in shown[1:]],
                        [tree.scores[n] / tree.scores[tree.parents[n]] for n in shown[1:]],
-                       [choices[n] for n in shown],
+                       [choices[n] for n in chosen],
                        lookup_drafted=max(len(lookup.intersection(shown[1:])), len(answers.intersection(shown[1:]))),
                        lookup_kept=len(lookup.intersection(kept)), answers_kept=len(answers.intersection(kept)),
                        kept_nodes=kept)

@@ -28,7 +28,7 @@ from .errors import SettingsError
 from .corpus import AnswerCorpus
 from .lookup import LookupStats, NgramIndex
 from .proposers import best_count_and_rate, choose_draft_length  # noqa: F401  (public here too)
-from .target import TargetRunner
+from .target import TargetOutput, TargetRunner
 from .tree import BRANCHING, DraftTree, chain_tree, depth_first
 
 MAX_TEMPERATURE = 10.0
@@ -96,7 +96,9 @@ class CycleEvent:
     position: int  # absolute position of the first token in ``committed``
     drafted: list[int]  # drafts for block slots 1..k (empty for the prefill and in AR mode)
     draft_confidence: list[float]  # drafter probability of each drafted token
-    target_choices: list[int]  # target's token at each verified slot (k + 1 of them)
+    # the target's token at each verified slot (k + 1 of them; greedy, on a runner computing its
+    # logits as read: up to the first disagreement at least, acceptance.greedy_choices)
+    target_choices: list[int]
     num_accepted: int  # drafts kept
     bonus: int  # the target's own token after the kept drafts
     committed: list[int]  # tokens added to the output (cut at a stop token / max_new_tokens)
@@ -261,7 +263,11 @@ def stream(
         draft = proposer.propose(state.anchor, state.start, min(block_size, config.max_new_tokens - state.produced), t0)
         t1 = clock.now()
         out = draft.verify(target, layer_ids)
-        outcome = draft.settle(rule.decide(out.logits, sampling, draft.sampled))
+        if rule.walks_argmax:  # the head for the rows the walk reaches
+            verdict = acceptance.Verdict(acceptance.greedy_choices(out, draft.row_needed, draft.likely_after))
+        else:
+            verdict = rule.decide(out.logits, sampling, draft.sampled)
+        outcome = draft.settle(verdict)
         t2 = clock.now()
         features = draft.commit(target, outcome, out.features, state.start)
         accepted = outcome.num_accepted
@@ -298,14 +304,24 @@ def _interleaved_medians(target: TargetRunner, calls: Sequence[Callable[[], obje
     return [sorted(t)[len(t) // 2] for t in times]
 
 
+def verify_pass(out: TargetOutput) -> TargetOutput:
+    """``out`` with every row's logits: what a timed verify pass includes, however its logits are
+    computed. A greedy verify computes fewer (``acceptance.greedy_choices``), but measured with
+    the head for two rows, the costs made the adaptive variants no faster
+    (docs/benchmark-notes-avx2.md)."""
+    out.logits
+    return out
+
+
 def measure_verify_costs(target: TargetRunner, max_block: int, context: int = 128, repeats: int = 5) -> list[float]:
     """Time of a target forward over 1..max_block tokens after ``context`` tokens (interleaved
-    medians), made non-decreasing in the number of tokens (``monotone``): a dip or a spike in
-    one size is noise, and adaptive drafting would chase it."""
+    medians; ``verify_pass``), made non-decreasing in the number of tokens (``monotone``): a dip
+    or a spike in one size is noise, and adaptive drafting would chase it."""
     ids = torch.arange(context + max_block, dtype=torch.long) % 1000 + 10
     target.reset(context + max_block)
     target.forward(ids[:context], None, last_only=True)
-    calls = [lambda size=size: target.forward(ids[context : context + size], None) for size in range(1, max_block + 1)]
+    calls = [lambda size=size: verify_pass(target.forward(ids[context : context + size], None))
+             for size in range(1, max_block + 1)]
     return monotone(_interleaved_medians(target, calls, context, repeats))
 
 
@@ -337,7 +353,7 @@ def measure_tree_costs(target: TargetRunner, max_block: int, context: int = 128,
     star = DraftTree(tokens, [-1] + [0] * (max_block - 1), [0] + [1] * (max_block - 1), [1.0] * max_block)
     target.reset(context + max_block)
     target.forward(ids, None, last_only=True)
-    calls = [lambda tree=tree: target.forward_tree(tree, None) for tree in (chain, fork, star)]
+    calls = [lambda tree=tree: verify_pass(target.forward_tree(tree, None)) for tree in (chain, fork, star)]
     medians = _interleaved_medians(target, calls, context, repeats)
     branching = max(0.0, medians[1] - medians[0])
     return branching, max(0.0, (medians[2] - medians[1]) / (max_block - 3))

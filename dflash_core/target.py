@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, replace
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -66,10 +66,55 @@ PROBE_CHUNKS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 8)  # 144
 PROBE_BLOCK = 16  # the widest pass the probe covers: the block size of every drafter we know
 
 
-@dataclass
 class TargetOutput:
-    logits: torch.Tensor  # (T, V) in the model's dtype
-    features: torch.Tensor | None  # (T, len(layer_ids) * H) or None
+    """A pass's logits (T, V, in the model's dtype) and, where asked, its features (T,
+    len(layer_ids) * H). Given ``hidden`` and ``head`` instead of logits (``FastTarget`` on CPU),
+    a row's logits are ``head`` of its row of ``hidden``, computed when first read
+    (``logits_at``, ``logits``): on CPU the LM head is a large part of a verify pass, and a greedy
+    walk needs only the rows on its path. A row's logits do not depend on the rows computed
+    beside it (the runner's batch invariance), so they are the same either way."""
+
+    def __init__(self, logits: torch.Tensor | None, features: torch.Tensor | None,
+                 hidden: torch.Tensor | None = None, head: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        if (logits is None) == (head is None or hidden is None):
+            raise ValueError("TargetOutput takes its logits, or the rows and head that compute them")
+        self.features = features
+        self.rows = len(logits) if logits is not None else len(hidden)
+        self._hidden, self._head = hidden, head
+        self._logits = logits  # (T, V): every row's where given, else rows filled in as computed
+        self._known = [logits is not None] * self.rows
+
+    @property
+    def computed(self) -> int:
+        """How many rows' logits exist so far."""
+        return sum(self._known)
+
+    def logits_at(self, rows: Sequence[int]) -> torch.Tensor:
+        """The logits of ``rows`` (len(rows), V), computing those not yet computed in one call of the head."""
+        rows = list(rows)
+        missing = sorted({r for r in rows if not self._known[r]})
+        if len(missing) == self.rows:  # all at once: no gathering or scattering of rows
+            self._logits = self._head(self._hidden)
+        elif missing:
+            a, b = missing[0], missing[-1] + 1
+            # a run of rows is a view; scattered rows are gathered
+            at = slice(a, b) if b - a == len(missing) else torch.tensor(missing, device=self._hidden.device)
+            computed = self._head(self._hidden[at])
+            if self._logits is None:
+                self._logits = computed.new_empty(self.rows, computed.shape[-1])
+            self._logits[at] = computed
+        for r in missing:
+            self._known[r] = True
+        if rows == list(range(self.rows)):
+            return self._logits
+        if rows == list(range(rows[0], rows[-1] + 1)):
+            return self._logits[rows[0] : rows[-1] + 1]
+        return self._logits[torch.tensor(rows, dtype=torch.long, device=self._logits.device)]
+
+    @property
+    def logits(self) -> torch.Tensor:
+        """Every row's logits (T, V)."""
+        return self.logits_at(range(self.rows))
 
 
 class TargetRunner(Protocol):
@@ -620,10 +665,20 @@ class FastTarget:
                 x = self.finish_layer(layer, x, eager_attention(q, keys[li], values[li], rows, hidden_mask))
                 if li in wanted:
                     feats[wanted[li]] = x[:real]
-        x = x[:real]
-        logits = self.logits(x[-1:] if last_only else x)
         features = torch.cat(feats, dim=-1) if feats else None
-        return TargetOutput(logits, features)
+        return self.output(x[real - 1 : real] if last_only else x[:real], features)
+
+    @property
+    def logits_as_read(self) -> bool:
+        """Whether a pass's logits are computed as they are read (``TargetOutput``): on CPU; on a
+        GPU the head costs little and every read would wait for the device, so all at once."""
+        return self.device.type == "cpu"
+
+    def output(self, hidden: torch.Tensor, features: torch.Tensor | None) -> TargetOutput:
+        """A pass's output for its final rows ``hidden`` (``logits_as_read``)."""
+        if self.logits_as_read:
+            return TargetOutput(None, features, hidden, self.logits)
+        return TargetOutput(self.logits(hidden), features)
 
     def _compiled_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: torch.Tensor,
                          wanted: dict[int, int], feats: list, real: int) -> torch.Tensor:
@@ -696,7 +751,7 @@ class FastTarget:
         (``dflash_core.tree.depth_first``). Call ``keep_path`` next: it moves the kept nodes'
         K/V into place. In bf16 every node's numbers equal, bit for bit, those of decoding its
         path token by token."""
-        return TargetOutput(*self._tree_attention.forward(tree, layer_ids))
+        return self.output(*self._tree_attention.forward(tree, layer_ids))
 
     def keep_path(self, nodes: Sequence[int]) -> None:
         """After ``forward_tree``: keep the K/V of ``nodes`` (a root-first path) at consecutive

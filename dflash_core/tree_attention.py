@@ -56,7 +56,8 @@ class TreeAttention:
         self._replicas_valid = [min(v, length) for v in self._replicas_valid]
 
     def forward(self, tree: DraftTree, layer_ids: Sequence[int] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits and features of every node, in node order (``FastTarget.forward_tree``)."""
+        """The final rows (before the final norm) and features of every node, in node order
+        (``FastTarget.forward_tree`` makes its output of them)."""
         target, cache = self.target, self.target.cache
         groups = tree.leaf_groups()
         if [n for _, nodes in groups for n in nodes] != list(range(len(tree))):
@@ -92,7 +93,7 @@ class TreeAttention:
             self._pending = (start, torch.stack(tree_keys), torch.stack(tree_values))
         cache.length = start + real
         features = torch.cat(feats, dim=-1) if feats else None
-        return target.logits(x[:real]), features
+        return x[:real], features
 
     def _turns(self, tree: DraftTree, runs: Sequence[list[int]], t: int) -> list[tuple[int, int, int, int, int]]:
         """Per run of nodes [a, b) (a path's new nodes, depth-first), ``(depth(a), lo, a, b, hi)``:
