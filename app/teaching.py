@@ -24,7 +24,9 @@ def explanation_md() -> str:
         "transformer layers that read hidden states from several layers of the target — fills *every* masked "
         "slot in **one** forward pass (block diffusion), each with a confidence.\n"
         "2. **Verify.** The target runs **once** over the whole block and says, at every slot, which token it "
-        "would have produced there.\n"
+        "would have produced there. Greedy, on a CPU, its last step (the output head) runs only for the slots the "
+        "check below reaches: after the first mismatch the target's choices are not needed, so they are not "
+        "computed (shown as —).\n"
         "3. **Accept.** Drafts are kept while they match the target's choice; at the first mismatch the target's "
         "own token replaces the draft (the *bonus*). A cycle therefore commits between 1 and B tokens: the "
         "output is exactly what the target alone would write.\n"
@@ -69,8 +71,10 @@ def step_html(state: TeachingState) -> str:
         draft_cells.append(f'<td>{_chip(tok)}<br><span class="dfs-bar" style="width:{width}px"></span> {conf:.2f}</td>')
     target_cells = []
     for i in range(k + 1):
-        choice = c.target_choices[i] if i < len(c.target_choices) else "?"
-        target_cells.append(f"<td>{_chip(choice)}</td>")
+        if i < len(c.target_choices):
+            target_cells.append(f"<td>{_chip(c.target_choices[i])}</td>")
+        else:  # past the first mismatch: a greedy verify leaves it out (acceptance.greedy_choices)
+            target_cells.append('<td class="mask" title="not computed: not needed after the first mismatch">—</td>')
     decision = ["<td>—</td>"]
     for i in range(k):
         if i < c.num_accepted:
