@@ -31,6 +31,7 @@ from dflash_core.acceptance import argmax
 from dflash_core.aoti_layers import HalfThenDown
 from dflash_core.engine import Engine
 from dflash_core.q4_layers import Q4Before
+from dflash_core.speculative import verify_pass
 
 INSIDE = "  of which "  # a part timed inside another (q4_layers' products inside their halves)
 
@@ -107,7 +108,7 @@ def main() -> int:
             totals.clear()
             began = time.perf_counter()
             for _ in range(opts.passes):
-                runner.forward(block, None)
+                verify_pass(runner.forward(block, None))  # every row's logits, as a pass computed them before
                 runner.truncate(opts.context)
             per_pass = (time.perf_counter() - began) / opts.passes
             if r:

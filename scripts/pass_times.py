@@ -17,6 +17,7 @@ import time
 import torch
 
 from dflash_core.engine import Engine
+from dflash_core.speculative import verify_pass
 
 
 def pass_ms(runner, context: torch.Tensor, block: torch.Tensor, passes: int = 30) -> float:
@@ -25,7 +26,7 @@ def pass_ms(runner, context: torch.Tensor, block: torch.Tensor, passes: int = 30
     runner.forward(context, None, last_only=True)
     began = time.perf_counter()
     for _ in range(passes):
-        runner.forward(block, None)
+        verify_pass(runner.forward(block, None))  # every row's logits
         runner.truncate(len(context))
     return (time.perf_counter() - began) / passes * 1e3
 
