@@ -129,20 +129,14 @@ def build_tree(anchor: int, top_probs: Sequence[Sequence[float]], top_tokens: Se
     return tree
 
 
-def children_by_token(tree: DraftTree) -> dict[tuple[int, int], int]:
-    """(parent, token) -> the node under ``parent`` drafting ``token``."""
+def walk(tree: DraftTree, choices: Sequence[int]) -> tuple[list[int], int]:
+    """Follow the target from the root: ``choices[n]`` is its token after node ``n``'s path.
+    -> (kept nodes, root first; the target's token after the last of them)."""
     children: dict[tuple[int, int], int] = {}
     for node in range(1, len(tree)):
         # The first node with a given token under a parent is the one that counts (the best-
         # scored; duplicates cannot occur: a slot's candidates are distinct tokens).
         children.setdefault((tree.parents[node], tree.tokens[node]), node)
-    return children
-
-
-def walk(tree: DraftTree, choices: Sequence[int]) -> tuple[list[int], int]:
-    """Follow the target from the root: ``choices[n]`` is its token after node ``n``'s path.
-    -> (kept nodes, root first; the target's token after the last of them)."""
-    children = children_by_token(tree)
     kept = [0]
     while (child := children.get((kept[-1], int(choices[kept[-1]])))) is not None:
         kept.append(child)
@@ -152,13 +146,8 @@ def walk(tree: DraftTree, choices: Sequence[int]) -> tuple[list[int], int]:
 def node_needed(tree: DraftTree, choices: Sequence[int]) -> int | None:
     """The next node whose choice ``walk`` needs, given the nodes' choices known so far (-1: not
     known); None where the walk ends at a known one."""
-    children = children_by_token(tree)
-    node = 0
-    while choices[node] >= 0:
-        node = children.get((node, int(choices[node])))
-        if node is None:
-            return None
-    return node
+    kept, choice = walk(tree, choices)  # an unknown choice (-1) is no node's token: the walk stops there
+    return kept[-1] if choice < 0 else None
 
 
 def best_extension(tree: DraftTree, path: list[int]) -> list[int]:
