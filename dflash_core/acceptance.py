@@ -5,14 +5,15 @@ nodes), and the target's distribution at a node is its prediction for the token 
 it. A rule decides which drafts are kept; the target then supplies one more token, ``bonus``, so
 a cycle commits ``num_accepted + 1`` tokens (the "acceptance length").
 
-A rule is ``decide(target_logits, sampling, sampled) -> Verdict``. Most rules name the target's
+A rule is ``decide(target_output, sampling, draft) -> Verdict`` (the verify pass's
+``TargetOutput``, whose logits it reads; the draft it verified). Most rules name the target's
 own token after every verified node (``Verdict.choices``) and leave the keeping to the walk every
 draft shape knows: keep drafts while they equal the target's token (a chain's prefix, a tree's
 path; see ``tree.walk``). A rule that decides itself how many drafts to keep says so in
 ``Verdict.num_accepted`` and works on chains only (``Rule.trees``).
 
-* ``greedy``: the target's argmax at every node; the output is exactly the target's greedy
-  decoding.
+* ``greedy``: the target's argmax at every node the walk reaches (``greedy_choices``); the output
+  is exactly the target's greedy decoding.
 * ``match`` (z-lab's rule at temperature > 0): the target's own sample at every node. Each
   committed token is a sample of the target given the committed prefix, so the output follows
   the target's distribution exactly.
@@ -32,6 +33,7 @@ from typing import TYPE_CHECKING, Callable, NamedTuple
 import torch
 
 if TYPE_CHECKING:
+    from .proposers import ChainDraft, TreeDraft
     from .target import TargetOutput
 
 
@@ -99,20 +101,20 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
 REACH_CHANCE = 0.3
 
 
-def greedy_choices(out: TargetOutput, row_needed: Callable[[list[int]], int | None],
-                   likely_after: Callable[[int], list[int]]) -> torch.Tensor:
-    """The target's argmax at the rows of ``out`` that a greedy walk reaches (rows, with -1 at rows
-    left out). ``row_needed(choices)`` names the next row whose choice the walk needs, given the
-    choices known so far (-1: not computed), or None once the walk has ended; ``likely_after(row)``
-    lists that row and the rows the walk likely needs after it. Where ``out`` computes its logits
-    as they are read, only those rows go through the head, in one call per row the walk needs
-    that no earlier call computed: a verify whose drafts part from the target early pays the head
-    for a few rows, not for the whole block. A computed row's choice is ``argmax``'s over all rows."""
-    if out.computed == out.rows:
+def greedy_choices(out: TargetOutput, draft: ChainDraft | TreeDraft | None) -> torch.Tensor:
+    """The target's argmax at the rows of ``out`` that a greedy walk over ``draft`` reaches (rows,
+    with -1 at rows left out). ``draft.row_needed(choices)`` names the next row whose choice the
+    walk needs, given the choices known so far (-1: not computed), or None once the walk has ended;
+    ``draft.likely_after(row)`` lists that row and the rows the walk likely needs after it. Where
+    ``out`` computes its logits as they are read, only those rows go through the head, in one call
+    per row the walk needs that no earlier call computed: a verify whose drafts part from the
+    target early pays the head for a few rows, not for the whole block. A computed row's choice is
+    ``argmax``'s over all rows; with no draft, or logits computed already, every row's."""
+    if draft is None or out.computed == out.rows:
         return argmax(out.logits)
     choices = [-1] * out.rows
-    while (row := row_needed(choices)) is not None:
-        rows = [r for r in likely_after(row) if choices[r] < 0]
+    while (row := draft.row_needed(choices)) is not None:
+        rows = [r for r in draft.likely_after(row) if choices[r] < 0]
         for r, choice in zip(rows, argmax(out.logits_at(rows)).tolist()):
             choices[r] = choice
     return torch.tensor(choices)  # logits computed as read are a CPU runner's
@@ -153,37 +155,37 @@ class Verdict(NamedTuple):
     bonus: torch.Tensor | None = None  # () with ``num_accepted``: the target's token after the kept drafts
 
 
-def greedy(target_logits: torch.Tensor, sampling: Sampling, sampled: SampledDrafts | None) -> Verdict:
-    """Walk the target's argmax. ``target_logits``: (nodes, V)."""
-    return Verdict(argmax(target_logits))
+def greedy(out: TargetOutput, sampling: Sampling, draft: ChainDraft | TreeDraft | None) -> Verdict:
+    """Walk the target's argmax (``greedy_choices``: only the rows the walk reaches)."""
+    return Verdict(greedy_choices(out, draft))
 
 
-def match(target_logits: torch.Tensor, sampling: Sampling, sampled: SampledDrafts | None) -> Verdict:
+def match(out: TargetOutput, sampling: Sampling, draft: ChainDraft | TreeDraft | None) -> Verdict:
     """z-lab's rule: walk the target's own samples."""
-    return Verdict(sample(sampling.probs(target_logits), sampling.generator))
+    return Verdict(sample(sampling.probs(out.logits), sampling.generator))
 
 
-def pq(target_logits: torch.Tensor, sampling: Sampling, sampled: SampledDrafts | None) -> Verdict:
+def pq(out: TargetOutput, sampling: Sampling, draft: ChainDraft | TreeDraft | None) -> Verdict:
     """Speculative sampling of a chain; with nothing drawn from ``q`` (no drafts), ``match``."""
+    sampled = None if draft is None else draft.sampled
     if sampled is None:
-        return match(target_logits, sampling, sampled)
-    accepted, bonus = pq_accept(sampled.tokens, sampled.probs, sampling.probs(target_logits), sampling.generator,
+        return match(out, sampling, draft)
+    accepted, bonus = pq_accept(sampled.tokens, sampled.probs, sampling.probs(out.logits), sampling.generator,
                                 sampled.columns)
     return Verdict(sampled.tokens[:0], accepted, bonus)
 
 
 @dataclass(frozen=True)
 class Rule:
-    """A ``RULES`` entry: ``decide(target_logits, sampling, sampled) -> Verdict`` and what it needs."""
+    """A ``RULES`` entry: ``decide(target output, sampling, draft) -> Verdict`` and what it needs."""
 
-    decide: Callable[[torch.Tensor, Sampling, SampledDrafts | None], Verdict]
+    decide: Callable[[TargetOutput, Sampling, ChainDraft | TreeDraft | None], Verdict]
     trees: bool = True  # decides by walking the target's choices, so it verifies trees too
     samples_drafts: bool = False  # reads ``SampledDrafts``: chain drafts must be drawn from q
-    walks_argmax: bool = False  # its verdict is the target's argmax: ``greedy_choices`` may stop early
 
 
 RULES: dict[str, Rule] = {
-    "greedy": Rule(greedy, walks_argmax=True),
+    "greedy": Rule(greedy),
     "match": Rule(match),
     "pq": Rule(pq, trees=False, samples_drafts=True),
 }

@@ -263,11 +263,7 @@ def stream(
         draft = proposer.propose(state.anchor, state.start, min(block_size, config.max_new_tokens - state.produced), t0)
         t1 = clock.now()
         out = draft.verify(target, layer_ids)
-        if rule.walks_argmax:  # the head for the rows the walk reaches
-            verdict = acceptance.Verdict(acceptance.greedy_choices(out, draft.row_needed, draft.likely_after))
-        else:
-            verdict = rule.decide(out.logits, sampling, draft.sampled)
-        outcome = draft.settle(verdict)
+        outcome = draft.settle(rule.decide(out, sampling, draft))
         t2 = clock.now()
         features = draft.commit(target, outcome, out.features, state.start)
         accepted = outcome.num_accepted

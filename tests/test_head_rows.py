@@ -84,7 +84,7 @@ def test_a_greedy_walk_computes_the_head_for_the_rows_on_its_path_only():
         original = out.logits_at
         out.logits_at = lambda rows: reads.append(list(rows)) or original(rows)
         draft = chain(anchor, drafts, confidence)
-        choices = greedy_choices(out, draft.row_needed, draft.likely_after).tolist()
+        choices = greedy_choices(out, draft).tolist()
         assert choices[:4] == reference[:4] and choices[3] != drafts[3]
         full = argmax(block_pass(runner, prompt, [anchor] + drafts).logits).tolist()
         if confidence < acceptance.REACH_CHANCE:  # nothing beyond the row the walk needs next

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from dflash_core import acceptance
 from dflash_core.proposers import ChainDraft
 from dflash_core.speculative import choose_draft_length
-from dflash_core.target import FastTarget
+from dflash_core.target import FastTarget, TargetOutput
 from dflash_core.testing import tiny_drafter, tiny_target
 
 MODEL = tiny_target("llama", vocab=64, layers=2, seed=11)
@@ -24,7 +24,7 @@ def test_greedy_accepts_exactly_the_matching_prefix(k, vocab, seed):
     choices = logits.argmax(-1)
     draft = torch.where(torch.rand(k, generator=gen) < 0.6, choices[:k], torch.randint(vocab, (k,), generator=gen))
     out = ChainDraft(anchor=0, tokens=draft, confidence=torch.ones(k)).settle(
-        acceptance.greedy(logits, acceptance.Sampling(), None))
+        acceptance.greedy(TargetOutput(logits, None), acceptance.Sampling(), None))
     a = out.num_accepted
     assert out.drafted == draft.tolist() and out.target_choices == choices.tolist()
     assert torch.equal(draft[:a], choices[:a])
@@ -40,7 +40,7 @@ def test_match_rule_keeps_drafts_while_they_equal_the_targets_samples(k, vocab, 
     logits[:, 0] = float("-inf")  # token 0 has probability 0: never a sample
     draft = torch.randint(vocab, (k,), generator=gen)
     out = ChainDraft(anchor=0, tokens=draft, confidence=torch.ones(k)).settle(
-        acceptance.match(logits, acceptance.Sampling(temperature=1.0, generator=gen), None))
+        acceptance.match(TargetOutput(logits, None), acceptance.Sampling(temperature=1.0, generator=gen), None))
     a, samples = out.num_accepted, out.target_choices
     assert 0 <= a <= k and len(samples) == k + 1
     assert draft[:a].tolist() == samples[:a]

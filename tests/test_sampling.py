@@ -19,7 +19,7 @@ from dflash_core.corpus import AnswerCorpus
 from dflash_core.lookup import LookupStats
 from dflash_core.proposers import ChainDraft
 from dflash_core.speculative import GenerationConfig, collect, stream
-from dflash_core.target import FastTarget
+from dflash_core.target import FastTarget, TargetOutput
 from dflash_core.testing import exact_three_tokens, chi_square_passes, tiny_drafter, tiny_target
 
 
@@ -44,7 +44,7 @@ def test_acceptance_rules_keep_the_first_token_distributed_as_the_target(rule):
             a, bonus = acceptance.pq_accept(draft, draft_probs, target_probs, gen, columns)
         else:
             draft = draft_probs.argmax(-1)
-            verdict = acceptance.match(target_probs.log(), acceptance.Sampling(temperature=1.0, generator=gen), None)
+            verdict = acceptance.match(TargetOutput(target_probs.log(), None), acceptance.Sampling(temperature=1.0, generator=gen), None)
             settled = ChainDraft(anchor=0, tokens=draft, confidence=torch.ones(k)).settle(verdict)
             a, bonus = settled.num_accepted, settled.bonus
         a = int(a)
@@ -91,7 +91,7 @@ def test_pq_rule_accepts_everything_when_draft_equals_target():
 def test_greedy_rule_is_the_argmax_prefix():
     logits = torch.tensor([[0.0, 5, 0], [9, 0, 0], [0, 0, 4], [1, 0, 0]])
     draft = ChainDraft(anchor=0, tokens=torch.tensor([1, 0, 1]), confidence=torch.ones(3))
-    out = draft.settle(acceptance.greedy(logits, acceptance.Sampling(), None))
+    out = draft.settle(acceptance.greedy(TargetOutput(logits, None), acceptance.Sampling(), draft))
     assert (out.num_accepted, out.bonus, out.target_choices) == (2, 2, [1, 0, 2, 0])
 
 
@@ -191,9 +191,9 @@ def test_a_rule_added_to_the_table_is_the_one_the_loop_uses(monkeypatch):
     drafter = tiny_drafter(model)
     calls = []
 
-    def counted_match(logits, sampling, sampled):
-        calls.append(logits.shape[0])
-        return acceptance.match(logits, sampling, sampled)
+    def counted_match(out, sampling, draft):
+        calls.append(out.rows)
+        return acceptance.match(out, sampling, draft)
 
     monkeypatch.setitem(acceptance.RULES, "counted", acceptance.Rule(counted_match))
     for tree in (False, True):
