@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_core import aoti_attention, aoti_kernels, dot_attention
+from dflash_core import aoti_attention, aoti_kernels, dot_attention, int8_dot, q4_dot
 from dflash_core.target import FastTarget
 from dflash_core.testing import assert_greedy_lossless, assert_greedy_tree_lossless, tiny_target, two_shape_llama
 
@@ -65,6 +65,22 @@ def test_query_heads_that_share_reads_of_their_kv_head_get_their_lone_numbers(he
     for t in (0, 7, 15):
         assert torch.equal(attention(q[t:t + 1], k[t:t + 1], v[t:t + 1], keys, values, positions[t:t + 1]),
                            together[t:t + 1])
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads, kv_heads, d", [(9, 3, 64), (4, 2, 16), (8, 2, 256)])
+def test_the_avx2_build_attends_with_the_avx512_builds_numbers(heads, kv_heads, d, kernel_cache):
+    # The AVX2 build sums each key's products four keys at a time in 256-bit halves, the AVX-512
+    # build sixteen keys in 512-bit registers: the same tree for every key's lanes. An AVX-512 CPU
+    # runs both builds; rows whose positions end inside a run of four keys and of sixteen included.
+    if int8_dot.build_isa() != "avx512":
+        pytest.skip(f"only a CPU that runs the AVX-512 build runs both (this one: {int8_dot.build_isa()})")
+    avx512, avx2 = dot_attention.DotAttention(), dot_attention.DotAttention()
+    avx2._kernel = q4_dot.library("avx2").write_and_attend
+    for rows in ([0], [1, 2], list(range(13, 30)), [37, 38, 39, 40, 41, 63, 64, 65, 100]):
+        q, k, v, keys, values, positions = inputs(rows, heads=heads, kv_heads=kv_heads, d=d, capacity=128, seed=5)
+        got = avx2(q, k, v, keys.clone(), values.clone(), positions)
+        assert torch.equal(got, avx512(q, k, v, keys, values, positions)), rows
 
 
 def test_it_refuses_head_sizes_it_does_not_take_and_cpus_without_the_kernels(monkeypatch):

@@ -480,6 +480,48 @@ inline __m512 sum_lanes16(const __m512* a) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(low, high, 0x88), _mm512_shuffle_f32x4(low, high, 0xDD));
 }
 
+#ifdef DFLASH_AVX2
+// The sums of four keys' 8-lane products (a half of sum_lanes16's inputs) in sum_lanes16's tree:
+// lane pairs within 128-bit chunks, then the two chunks: key j's (l0 + l2) + (l1 + l3), plus the same
+// of lanes 4-7.
+inline __m128 four_sums(const __m256* a) {
+  const __m256 ab = _mm256_add_ps(_mm256_unpacklo_ps(a[0], a[1]), _mm256_unpackhi_ps(a[0], a[1]));
+  const __m256 cd = _mm256_add_ps(_mm256_unpacklo_ps(a[2], a[3]), _mm256_unpackhi_ps(a[2], a[3]));
+  const __m256d x = _mm256_castps_pd(ab), y = _mm256_castps_pd(cd);
+  const __m256 s = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(x, y)), _mm256_castpd_ps(_mm256_unpackhi_pd(x, y)));
+  return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
+
+// One query's dot products with 16 keys (the first ``live`` of them; 0 for the rest), the same
+// numbers as the AVX-512 form below (each key's 16 lanes summed by sum_lanes16's tree), four keys at
+// a time: the two-half emulation of sum_lanes16 holds 32 registers of products where AVX2 has 16.
+template <int LANES>
+inline __m512 key_scores(const float* query, const float* key, int64_t live) {
+  constexpr int64_t D = 16 * LANES;
+  __m256 q[2 * LANES];
+  for (int c = 0; c < 2 * LANES; ++c) q[c] = _mm256_loadu_ps(query + 8 * c);
+  __m128 four[4];
+  for (int64_t g = 0; g < 4; ++g) {
+    __m256 low[4], high[4];  // lanes 0-7 and 8-15 of each key's products
+    for (int64_t j = 0; j < 4; ++j) {
+      if (4 * g + j >= live) {
+        low[j] = high[j] = _mm256_setzero_ps();
+        continue;
+      }
+      const float* at = key + (4 * g + j) * D;
+      low[j] = _mm256_mul_ps(q[0], _mm256_loadu_ps(at));
+      high[j] = _mm256_mul_ps(q[1], _mm256_loadu_ps(at + 8));
+      for (int c = 1; c < LANES; ++c) {
+        low[j] = _mm256_fmadd_ps(q[2 * c], _mm256_loadu_ps(at + 16 * c), low[j]);
+        high[j] = _mm256_fmadd_ps(q[2 * c + 1], _mm256_loadu_ps(at + 16 * c + 8), high[j]);
+      }
+    }
+    four[g] = _mm_add_ps(four_sums(low), four_sums(high));
+  }
+  return {_mm256_set_m128(four[1], four[0]), _mm256_set_m128(four[3], four[2])};
+}
+#endif
+
 // Queries beyond this many per call of attend_queries are split into more tasks.
 constexpr int64_t MOST_QUERIES = 48;
 // Positions whose values are added for every query before the next ones are read (in L1: 32 x D floats).
@@ -503,6 +545,9 @@ void attend_queries(const float* const* query, const int64_t* n, int64_t Q, cons
     for (int64_t i = 0; i < Q; ++i) {
       const int64_t live = n[i] - j0 < 16 ? n[i] - j0 : 16;
       if (live <= 0) continue;
+#ifdef DFLASH_AVX2
+      const __m512 sums = key_scores<LANES>(query[i], key + j0 * D, live);
+#else
       __m512 q[LANES];
       for (int c = 0; c < LANES; ++c) q[c] = _mm512_loadu_ps(query[i] + 16 * c);
       __m512 dots[16];
@@ -516,8 +561,9 @@ void attend_queries(const float* const* query, const int64_t* n, int64_t Q, cons
         for (int c = 1; c < LANES; ++c) dot = _mm512_fmadd_ps(q[c], _mm512_loadu_ps(at + 16 * c), dot);
         dots[j] = dot;
       }
-      const __mmask16 mask = live == 16 ? 0xFFFF : static_cast<__mmask16>((1u << live) - 1);
       const __m512 sums = sum_lanes16(dots);
+#endif
+      const __mmask16 mask = live == 16 ? 0xFFFF : static_cast<__mmask16>((1u << live) - 1);
       _mm512_storeu_ps(scores + i * stride + j0, sums);
       largest[i] = _mm512_mask_max_ps(largest[i], mask, largest[i], sums);
     }
@@ -526,11 +572,18 @@ void attend_queries(const float* const* query, const int64_t* n, int64_t Q, cons
     float* s = scores + i * stride;
     const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(largest[i]));
     __m512 total = _mm512_setzero_ps();
-    for (int64_t j = 0; j < n[i]; j += 16) {
-      const __mmask16 live = n[i] - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n[i] - j)) - 1);
-      const __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s + j), top));
-      _mm512_mask_storeu_ps(s + j, live, e);
-      total = _mm512_mask_add_ps(total, live, total, e);
+    // Whole runs of 16 unmasked (AVX2's masked loads and stores are slow); the last run's lanes
+    // past n[i] hold what the scores' loop stored there, are not added, and are never read again.
+    int64_t j = 0;
+    for (; j + 16 <= n[i]; j += 16) {
+      const __m512 e = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(s + j), top));
+      _mm512_storeu_ps(s + j, e);
+      total = _mm512_add_ps(total, e);
+    }
+    if (j < n[i]) {
+      const __m512 e = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(s + j), top));
+      _mm512_storeu_ps(s + j, e);
+      total = _mm512_mask_add_ps(total, static_cast<__mmask16>((1u << (n[i] - j)) - 1), total, e);
     }
     inverse[i] = 1.0f / _mm512_reduce_add_ps(total);
     for (int c = 0; c < LANES; ++c) _mm512_storeu_ps(acc + i * D + 16 * c, _mm512_setzero_ps());
