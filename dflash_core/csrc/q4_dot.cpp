@@ -328,6 +328,90 @@ void tile8_avx2(const int8_t* x, const float* xs, int64_t M, int64_t K, const ui
   for (int m = 0; m < MB; ++m) out[m][0] = {total[0][m], total[1][m]};
   store(out, add, y, N, nb);
 }
+
+// Up to this many rows tile8_avx2_few is the faster (Q4: 5-15% at 2-6 rows, slower from 7; Q8:
+// from 5 no faster; scripts/csrc_ab.py and the drafter's and head's shapes).
+template <int F>
+constexpr int FEW_ROWS = F == Q4 ? 6 : 4;
+
+// tile8_avx2 for a few rows, where the codes serve too few rows to be worth holding: each
+// code register is decoded (Q4) or loaded (Q8) as the products reach it, for both halves of the
+// block, and each row's four bytes broadcast once for both. The same exact int32 sums (16-bit adds
+// of vpmaddubsw's pair sums cannot overflow, so their order is free) and the same float steps in
+// the same order, so a row's numbers are tile8_avx2's. Holding the eight codes of a half costs
+// half of AVX2's sixteen registers, and each row's broadcasts are made once per half there.
+template <int F, int MB>
+void tile8_avx2_few(const int8_t* x, const float* xs, int64_t M, int64_t K, const uint8_t* q, const float* add,
+                    float* y, int64_t N, int64_t nb) {
+  static_assert(MB <= FEW_ROWS<F>, "few rows only");
+  __m256 total[2][MB];
+  for (int h = 0; h < 2; ++h)
+    for (int m = 0; m < MB; ++m) total[h][m] = _mm256_setzero_ps();
+  const int64_t groups = K / 32;
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* run = q + (nb * groups + g) * FORMAT_BYTES<F>;
+    for (int line = 0; line < FORMAT_BYTES<F>; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(run + 4 * FORMAT_BYTES<F> + line), _MM_HINT_T0);
+    const int8_t* rows = x + g * M * 32;
+    const float* row_scales = xs + g * M * 2;
+    const auto at = [&](int offset, int h) { return reinterpret_cast<const __m256i*>(run + offset + 32 * h); };
+    const auto four = [&](int m, int p) {  // row m's bytes 4p..4p+3, broadcast
+      int32_t bytes;
+      std::memcpy(&bytes, rows + 32 * m + 4 * p, sizeof bytes);
+      return bytes;
+    };
+    __m256i sum[2][MB];  // Q4: 16-bit pair sums until widened; Q8: int32
+    for (int h = 0; h < 2; ++h)
+      for (int m = 0; m < MB; ++m) sum[h][m] = _mm256_setzero_si256();
+    if constexpr (F == Q4) {
+#pragma GCC unroll 4
+      for (int t = 0; t < 4; ++t) {  // codes 2t (low nibbles) and 2t + 1 (high) of each half
+        __m256i even[MB], odd[MB];
+        for (int m = 0; m < MB; ++m) {
+          even[m] = _mm256_set1_epi32(four(m, 2 * t));
+          odd[m] = _mm256_set1_epi32(four(m, 2 * t + 1));
+        }
+        for (int h = 0; h < 2; ++h) {
+          const __m256i w = _mm256_loadu_si256(at(64 * t, h));
+          const __m256i c0 = _mm256_and_si256(w, low), c1 = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
+          for (int m = 0; m < MB; ++m)
+            sum[h][m] = _mm256_add_epi16(sum[h][m], _mm256_add_epi16(_mm256_maddubs_epi16(c0, even[m]),
+                                                                       _mm256_maddubs_epi16(c1, odd[m])));
+        }
+      }
+    } else {
+#pragma GCC unroll 8
+      for (int p = 0; p < 8; ++p) {
+        __m256i signed_rows[MB];
+        for (int m = 0; m < MB; ++m) signed_rows[m] = _mm256_set1_epi32(four(m, p) ^ static_cast<int32_t>(0x80808080u));
+        for (int h = 0; h < 2; ++h) {
+          const __m256i signs = _mm256_loadu_si256(at(64 * p, h)), codes = _mm256_abs_epi8(signs);
+          for (int m = 0; m < MB; ++m)
+            sum[h][m] = _mm256_add_epi32(sum[h][m], _mm256_madd_epi16(_mm256_maddubs_epi16(codes, _mm256_sign_epi8(signed_rows[m], signs)), ones));
+        }
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      __m256 scale, minimum;
+      if constexpr (F == Q4) {
+        scale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(run + 256 + 16 * h)));
+        minimum = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(run + 288 + 16 * h)));
+      } else {
+        scale = _mm256_loadu_ps(reinterpret_cast<const float*>(at(512, h)));
+      }
+      for (int m = 0; m < MB; ++m) {
+        const __m256i whole = F == Q4 ? _mm256_madd_epi16(sum[h][m], ones) : sum[h][m];
+        const float* s = row_scales + 2 * m;
+        total[h][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(whole), _mm256_mul_ps(scale, _mm256_set1_ps(s[0])), total[h][m]);
+        if constexpr (F == Q4) total[h][m] = _mm256_fmadd_ps(_mm256_set1_ps(s[1]), minimum, total[h][m]);
+      }
+    }
+  }
+  __m512 out[MB][1];
+  for (int m = 0; m < MB; ++m) out[m][0] = {total[0][m], total[1][m]};
+  store(out, add, y, N, nb);
+}
 #endif
 
 // MB rows (of M, laid out by quantize_rows; x and xs at the first) times the block of 16 outputs nb.
@@ -337,7 +421,10 @@ template <int F, int MB>
 void tile8(const int8_t* x, const float* xs, int64_t M, int64_t K, const uint8_t* q, const float* add, float* y,
            int64_t N, int64_t nb) {
 #ifdef DFLASH_AVX2
-  tile8_avx2<F, MB>(x, xs, M, K, q, add, y, N, nb);
+  if constexpr (MB <= FEW_ROWS<F>)
+    tile8_avx2_few<F, MB>(x, xs, M, K, q, add, y, N, nb);
+  else
+    tile8_avx2<F, MB>(x, xs, M, K, q, add, y, N, nb);
 #else
   __m512 total[MB][1];
   zero(total);
