@@ -1,7 +1,7 @@
 """The w4a8 target's C++ kernels (``csrc/q4_dot.cpp``) against their source at another git revision,
 interleaved, on SmolLM2's shapes: what docs/BENCHMARKS-AMD.md cites for changes to them.
 
-    python scripts/csrc_ab.py --base 7f8c62c [--kernels attention,products] [--rows 1,2,16]
+    python scripts/csrc_ab.py --base 7f8c62c [--kernels attention,products,q8_products] [--rows 1,2,16]
                               [--context 300,900] [--rounds 15]
 
 Builds ``csrc/q4_dot.cpp`` as it was at ``--base`` (with that revision's headers) beside this
@@ -11,6 +11,8 @@ group, taking turns round by round:
 * ``attention``: ``dot_attention``'s ``write_and_attend`` for each row count after each context length;
 * ``products``: ``int8_rows``' products of fp32 rows with a layer's four Q4_1 matrices (QKV, O,
   gate/up, down; random codes, fp16 scales and minimums) for each row count.
+* ``q8_products``: the same with Q8_0 matrices (random codes, small fp32 scales; the bundled
+  drafter's format): its three layers' four matrices, and the target's LM head (49,152 x 576).
 
 Prints milliseconds (median over rounds) and whether both gave the same numbers bit for bit.
 """
@@ -33,6 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CSRC = "dflash_core/csrc"
 HEADS, KV_HEADS, HEAD_DIM, CAPACITY, LAYERS = 9, 3, 64, 1024, 30  # SmolLM2-135M
 MATRICES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # its layers' QKV, O, gate/up, down (N, K)
+HEAD, DRAFTER_LAYERS = (49152, 576), 3  # its LM head (N, K); the bundled drafter's layers (the target's shapes)
 
 
 def library_at(revision: str, folder: Path) -> ctypes.CDLL:
@@ -88,15 +91,25 @@ def random_q4(n: int, k: int, generator: torch.Generator) -> torch.Tensor:
     return packed
 
 
+def random_q8(n: int, k: int, generator: torch.Generator) -> torch.Tensor:
+    """Packed Q8 groups (n / 16, k / 32, 640): random codes, small fp32 scales, the codes' sums."""
+    packed = torch.randint(0, 256, (n // 16, k // 32, 640), generator=generator, dtype=torch.uint8)
+    packed[..., 512:576] = (torch.rand(n // 16, k // 32, 16, generator=generator) * 0.01).view(torch.uint8)
+    sums = packed[..., :512].view(torch.int8).view(n // 16, k // 32, 128, 4).sum(dim=-1, dtype=torch.int32)
+    packed[..., 576:] = (128 * sums.view(n // 16, k // 32, 8, 16).sum(dim=2, dtype=torch.int32)).view(torch.uint8)
+    return packed
+
+
 def products_call(lib: ctypes.CDLL, rows: list[torch.Tensor], matrices: list[list[torch.Tensor]],
-                  out: list[torch.Tensor]):
-    """One pass's layer products (every layer's four matrices) with ``lib``'s kernel."""
+                  out: list[torch.Tensor], shapes: list[tuple[int, int]] = MATRICES, fmt: int = 0):
+    """One pass's layer products (every layer's matrices of ``shapes``) with ``lib``'s kernel
+    (``fmt`` 0: Q4, 1: Q8)."""
     threads = torch.get_num_threads()
 
     def run() -> None:
         for layer in matrices:
-            for i, (n, k) in enumerate(MATRICES):
-                lib.int8_rows_floats(0, rows[i].data_ptr(), rows[i].shape[0], k, None, 0.0, layer[i].data_ptr(), None,
+            for i, (n, k) in enumerate(shapes):
+                lib.int8_rows_floats(fmt, rows[i].data_ptr(), rows[i].shape[0], k, None, 0.0, layer[i].data_ptr(), None,
                                      out[i].data_ptr(), n, threads)
     return run
 
@@ -135,6 +148,18 @@ def main() -> int:
                 runs = {name: products_call(lib, rows, matrices, outs[name]) for name, lib in libs.items()}
                 print(f"Q4_1 products with int8 rows, {count} rows, {LAYERS} layers' four matrices: "
                       + interleaved(runs, outs, opts.rounds), flush=True)
+        if "q8_products" in kernels:
+            drafter = [[random_q8(n, k, generator) for n, k in MATRICES] for _ in range(DRAFTER_LAYERS)]
+            head = [[random_q8(*HEAD, generator)]]
+            for count in counts:
+                for label, shapes, matrices in ((f"the drafter's {DRAFTER_LAYERS} layers' four matrices", MATRICES,
+                                                 drafter), ("the LM head", [HEAD], head)):
+                    rows = [torch.randn(count, k, generator=generator) for _, k in shapes]
+                    outs = {name: [torch.empty(count, n) for n, _ in shapes] for name in libs}
+                    runs = {name: products_call(lib, rows, matrices, outs[name], shapes, fmt=1)
+                            for name, lib in libs.items()}
+                    print(f"Q8_0 products with int8 rows, {count} rows, {label}: "
+                          + interleaved(runs, outs, opts.rounds), flush=True)
     return 0
 
 
