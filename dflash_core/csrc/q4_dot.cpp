@@ -329,8 +329,8 @@ void tile8_avx2(const int8_t* x, const float* xs, int64_t M, int64_t K, const ui
   store(out, add, y, N, nb);
 }
 
-// Up to this many rows tile8_avx2_few is the faster (Q4: 5-15% at 2-6 rows, slower from 7; Q8:
-// from 5 no faster; scripts/csrc_ab.py and the drafter's and head's shapes).
+// Up to this many rows tile8_avx2_few is the faster form (beyond, Q4_1's ran slower and Q8_0's no
+// faster: docs/BENCHMARKS-AVX2.md, from scripts/csrc_ab.py --kernels products,q8_products).
 template <int F>
 constexpr int FEW_ROWS = F == Q4 ? 6 : 4;
 
