@@ -179,7 +179,8 @@ class FusedPass:
 def fused_pass(target) -> tuple[FusedPass | None, str]:
     """``FusedPass`` for ``target`` where its layers are ``q4_layers``' on ``int8_rows``' Q4_1
     kernels (w4a8) with no QKV biases or per-head norms, attention is ``dot_attention``'s, and a
-    pass through it gives, bit for bit, the layer-by-layer pass's logits, keys and values; else
+    pass through it gives, bit for bit, the layer-by-layer pass's logits, keys and values (a block's
+    and then the fewest rows a pass runs); else
     None; and a note."""
     from .dot_attention import DotAttention
 
@@ -203,7 +204,8 @@ def fused_pass(target) -> tuple[FusedPass | None, str]:
             target.reset(256)
             target.forward(prompt, None, last_only=True)
             out = target.forward(block, [0, len(layers) - 1])
-            results.append((out.logits.clone(), out.features.clone(), cache.k.clone(), cache.v.clone()))
+            lone = target.forward(block[:1], None).logits  # as few rows as a pass runs (min_rows)
+            results.append((out.logits.clone(), out.features.clone(), lone.clone(), cache.k.clone(), cache.v.clone()))
         target._fused_pass = None
         target.reset(max(capacity, 1))
     if not all(torch.equal(a, b) for a, b in zip(*results)):

@@ -55,6 +55,10 @@ PREFILL_CHUNK = 512  # longest slice of a prompt FastTarget processes at once
 # a matrix-vector path that rounds differently, so 2 is the least; more padding costs a little
 # more compute per autoregressive step.
 MIN_ROWS_CANDIDATES = (2, 4, 8, 16)
+# Weight formats whose matrices (and LM head) run on int8_rows' C++ tiles, which compute each row
+# alone whatever its company, with no matrix-vector path for a lone row: there one row is probed
+# first, and a pass with it saves an autoregressive step a padding row's products.
+LONE_ROW_FORMATS = ("w4a8",)
 # What the load probe decodes (FastTarget._probe_min_rows): a prompt in one pass, then the rest
 # in passes of every size up to a block of 16 (single tokens are autoregressive steps; blocks and
 # trees are verify passes), compared with the same positions decoded 16 at a time. The prompt's
@@ -477,7 +481,8 @@ class FastTarget:
         return why
 
     def _probe_min_rows(self) -> tuple[int, bool]:
-        """The fewest rows per pass (from ``MIN_ROWS_CANDIDATES``) with which, after a prompt's
+        """The fewest rows per pass (from ``MIN_ROWS_CANDIDATES``, after 1 for the
+        ``LONE_ROW_FORMATS``) with which, after a prompt's
         pass, decoding in passes of every size in ``PROBE_CHUNKS`` gives, bit for bit, the
         logits of decoding the same positions ``PROBE_BLOCK`` at a time; ``(smallest candidate,
         False)`` when none does.
@@ -507,7 +512,8 @@ class FastTarget:
                 start += size
             return torch.cat(pieces)
 
-        for min_rows in MIN_ROWS_CANDIDATES:
+        lone = (1,) if self.weight_format in LONE_ROW_FORMATS else ()
+        for min_rows in lone + MIN_ROWS_CANDIDATES:
             self.min_rows = min_rows
             if torch.equal(decode(chunks), decode(blocks)):
                 self.reset(capacity)
