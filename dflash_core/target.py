@@ -51,9 +51,9 @@ from .tree_attention import TreeAttention
 from .weight_formats import DYNAMIC_MATRICES, WEIGHT_FORMATS, Int8Weight, QuantizedLinear, quantized_layers
 
 PREFILL_CHUNK = 512  # longest slice of a prompt FastTarget processes at once
-# Fewest rows per pass FastTarget tries (see FastTarget._probe_min_rows): a lone row always takes
-# a matrix-vector path that rounds differently, so 2 is the least; more padding costs a little
-# more compute per autoregressive step.
+# Fewest rows per pass FastTarget tries (see FastTarget._probe_min_rows): with oneDNN's and
+# PyTorch's matrix kernels a lone row takes a matrix-vector path that rounds differently, so 2 is
+# the least; more padding costs a little more compute per autoregressive step.
 MIN_ROWS_CANDIDATES = (2, 4, 8, 16)
 # Weight formats whose matrices (and LM head) run on int8_rows' C++ tiles, which compute each row
 # alone whatever its company, with no matrix-vector path for a lone row: there one row is probed
@@ -628,9 +628,10 @@ class FastTarget:
         real = ids.shape[0]
         start = cache.length
         end = start + real
-        # Matrix kernels pick another code path (a GEMV, a different K split) for a single row,
-        # which rounds differently; repeating the last row keeps every position on the multi-row
-        # path, so a token decoded alone matches the same token inside a block.
+        # Matrix kernels may pick another code path (a GEMV, a different K split) for a single
+        # row, which rounds differently; repeating the last row up to ``min_rows`` keeps every
+        # position on the multi-row path, so a token decoded alone matches the same token inside a
+        # block (``min_rows`` 1, no padding, where the probe found a lone row rounds the same).
         (ids,) = padded_rows(self.min_rows, ids)
         cache.check_room(end)
         rows = torch.arange(start, start + ids.shape[0], device=self.device).clamp_max(end - 1)
