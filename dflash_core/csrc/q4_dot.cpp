@@ -262,7 +262,44 @@ void quantize_rows(const float* x, int64_t M, int64_t K, bool shift, int8_t* cod
   }
 }
 
+// The groups four ahead of ``run`` on their way (hints past the matrix's end are harmless): from 6
+// to 16 rows 10-20% faster, no slower at fewer (scripts/csrc_ab.py).
+template <int F>
+inline void prefetch_ahead(const uint8_t* run) {
+  for (int line = 0; line < FORMAT_BYTES<F>; line += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(run + 4 * FORMAT_BYTES<F> + line), _MM_HINT_T0);
+}
+
 #ifdef DFLASH_AVX2
+// The scales (and Q4's minimums) of half h (8 outputs) of the group at ``run``.
+template <int F>
+inline void half_scales(const uint8_t* run, int h, __m256& scale, __m256& minimum) {
+  if constexpr (F == Q4) {
+    scale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(run + 256 + 16 * h)));
+    minimum = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(run + 288 + 16 * h)));
+  } else {
+    scale = _mm256_loadu_ps(reinterpret_cast<const float*>(run + 512 + 32 * h));
+    minimum = _mm256_setzero_ps();  // Q8 has none
+  }
+}
+
+// A row's exact int32 sums of a group half added to its total: tile8's float steps, in its order
+// (s: the row's scale for the group and, Q4, its scale times the sum of its codes).
+template <int F>
+inline __m256 add_group(__m256 total, __m256i sum, __m256 scale, __m256 minimum, const float* s) {
+  total = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(scale, _mm256_set1_ps(s[0])), total);
+  if constexpr (F == Q4) total = _mm256_fmadd_ps(_mm256_set1_ps(s[1]), minimum, total);
+  return total;
+}
+
+// The two halves' totals of MB rows stored as tile8's 16-output blocks.
+template <int MB>
+inline void store_halves(const __m256 (&total)[2][MB], const float* add, float* y, int64_t N, int64_t nb) {
+  __m512 out[MB][1];
+  for (int m = 0; m < MB; ++m) out[m][0] = {total[0][m], total[1][m]};
+  store(out, add, y, N, nb);
+}
+
 // tile8's AVX2 form, one half of the block's 16 outputs at a time (its codes in eight registers of
 // the sixteen). Its int32 sums are tile8's (exact integers) and the float steps after them the
 // same, so a row's numbers are what the AVX-512 build computes.
@@ -282,25 +319,22 @@ void tile8_avx2(const int8_t* x, const float* xs, int64_t M, int64_t K, const ui
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* run = q + (nb * groups + g) * FORMAT_BYTES<F>;
-    for (int line = 0; line < FORMAT_BYTES<F>; line += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(run + 4 * FORMAT_BYTES<F> + line), _MM_HINT_T0);
+    prefetch_ahead<F>(run);
     const int8_t* rows = x + g * M * 32;
     const float* row_scales = xs + g * M * 2;
     for (int h = 0; h < 2; ++h) {
       const auto at = [&](int offset) { return reinterpret_cast<const __m256i*>(run + offset + 32 * h); };
       __m256i codes[8];  // Q4: the codes; Q8: their magnitudes
       __m256 scale, minimum;
+      half_scales<F>(run, h, scale, minimum);
       if constexpr (F == Q4) {
         for (int t = 0; t < 4; ++t) {
           const __m256i w = _mm256_loadu_si256(at(64 * t));
           codes[2 * t] = _mm256_and_si256(w, low);
           codes[2 * t + 1] = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
         }
-        scale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(run + 256 + 16 * h)));
-        minimum = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(run + 288 + 16 * h)));
       } else {
         for (int p = 0; p < 8; ++p) codes[p] = _mm256_abs_epi8(_mm256_loadu_si256(at(64 * p)));
-        scale = _mm256_loadu_ps(reinterpret_cast<const float*>(at(512)));
       }
       for (int m = 0; m < MB; ++m) {
         const int8_t* row = rows + 32 * m;
@@ -318,15 +352,11 @@ void tile8_avx2(const int8_t* x, const float* xs, int64_t M, int64_t K, const ui
           }
         }
         if constexpr (F == Q4) sum = _mm256_madd_epi16(sum, ones);
-        const float* s = row_scales + 2 * m;
-        total[h][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(scale, _mm256_set1_ps(s[0])), total[h][m]);
-        if constexpr (F == Q4) total[h][m] = _mm256_fmadd_ps(_mm256_set1_ps(s[1]), minimum, total[h][m]);
+        total[h][m] = add_group<F>(total[h][m], sum, scale, minimum, row_scales + 2 * m);
       }
     }
   }
-  __m512 out[MB][1];
-  for (int m = 0; m < MB; ++m) out[m][0] = {total[0][m], total[1][m]};
-  store(out, add, y, N, nb);
+  store_halves(total, add, y, N, nb);
 }
 
 // Up to this many rows tile8_avx2_few is the faster form (beyond, Q4_1's ran slower and Q8_0's no
@@ -351,8 +381,7 @@ void tile8_avx2_few(const int8_t* x, const float* xs, int64_t M, int64_t K, cons
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* run = q + (nb * groups + g) * FORMAT_BYTES<F>;
-    for (int line = 0; line < FORMAT_BYTES<F>; line += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(run + 4 * FORMAT_BYTES<F> + line), _MM_HINT_T0);
+    prefetch_ahead<F>(run);
     const int8_t* rows = x + g * M * 32;
     const float* row_scales = xs + g * M * 2;
     const auto at = [&](int offset, int h) { return reinterpret_cast<const __m256i*>(run + offset + 32 * h); };
@@ -394,23 +423,14 @@ void tile8_avx2_few(const int8_t* x, const float* xs, int64_t M, int64_t K, cons
     }
     for (int h = 0; h < 2; ++h) {
       __m256 scale, minimum;
-      if constexpr (F == Q4) {
-        scale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(run + 256 + 16 * h)));
-        minimum = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(run + 288 + 16 * h)));
-      } else {
-        scale = _mm256_loadu_ps(reinterpret_cast<const float*>(at(512, h)));
-      }
+      half_scales<F>(run, h, scale, minimum);
       for (int m = 0; m < MB; ++m) {
         const __m256i whole = F == Q4 ? _mm256_madd_epi16(sum[h][m], ones) : sum[h][m];
-        const float* s = row_scales + 2 * m;
-        total[h][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(whole), _mm256_mul_ps(scale, _mm256_set1_ps(s[0])), total[h][m]);
-        if constexpr (F == Q4) total[h][m] = _mm256_fmadd_ps(_mm256_set1_ps(s[1]), minimum, total[h][m]);
+        total[h][m] = add_group<F>(total[h][m], whole, scale, minimum, row_scales + 2 * m);
       }
     }
   }
-  __m512 out[MB][1];
-  for (int m = 0; m < MB; ++m) out[m][0] = {total[0][m], total[1][m]};
-  store(out, add, y, N, nb);
+  store_halves(total, add, y, N, nb);
 }
 #endif
 
@@ -432,10 +452,7 @@ void tile8(const int8_t* x, const float* xs, int64_t M, int64_t K, const uint8_t
   const __m512i low = _mm512_set1_epi8(0x0F);
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* run = q + (nb * groups + g) * FORMAT_BYTES<F>;
-    // The groups four ahead on their way (hints past the matrix's end are harmless): from 6 to
-    // 16 rows 10-20% faster, no slower at fewer (scripts/csrc_ab.py).
-    for (int line = 0; line < FORMAT_BYTES<F>; line += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(run + 4 * FORMAT_BYTES<F> + line), _MM_HINT_T0);
+    prefetch_ahead<F>(run);
     __m512i codes[8];
     __m512 scale, minimum;
     __m512i offset;
