@@ -300,6 +300,24 @@ inline void store_halves(const __m256 (&total)[2][MB], const float* add, float* 
   store(out, add, y, N, nb);
 }
 
+// An AVX2 tile's frame: the two halves' totals of MB rows, zeroed, ``group(run, rows, row_scales,
+// total)`` on each group of the block nb in order (its packed codes, the rows' codes and scales
+// there, as quantize_rows lays them out), then stored.
+template <int F, int MB, typename Group>
+inline void over_groups(const int8_t* x, const float* xs, int64_t M, int64_t K, const uint8_t* q, const float* add,
+                        float* y, int64_t N, int64_t nb, Group group) {
+  __m256 total[2][MB];
+  for (int h = 0; h < 2; ++h)
+    for (int m = 0; m < MB; ++m) total[h][m] = _mm256_setzero_ps();
+  const int64_t groups = K / 32;
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* run = q + (nb * groups + g) * FORMAT_BYTES<F>;
+    prefetch_ahead<F>(run);
+    group(run, x + g * M * 32, xs + g * M * 2, total);
+  }
+  store_halves(total, add, y, N, nb);
+}
+
 // tile8's AVX2 form, one half of the block's 16 outputs at a time (its codes in eight registers of
 // the sixteen). Its int32 sums are tile8's (exact integers) and the float steps after them the
 // same, so a row's numbers are what the AVX-512 build computes.
@@ -312,16 +330,9 @@ inline void store_halves(const __m256 (&total)[2][MB], const float* add, float* 
 template <int F, int MB>
 void tile8_avx2(const int8_t* x, const float* xs, int64_t M, int64_t K, const uint8_t* q, const float* add, float* y,
                 int64_t N, int64_t nb) {
-  __m256 total[2][MB];
-  for (int h = 0; h < 2; ++h)
-    for (int m = 0; m < MB; ++m) total[h][m] = _mm256_setzero_ps();
-  const int64_t groups = K / 32;
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-  for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* run = q + (nb * groups + g) * FORMAT_BYTES<F>;
-    prefetch_ahead<F>(run);
-    const int8_t* rows = x + g * M * 32;
-    const float* row_scales = xs + g * M * 2;
+  over_groups<F, MB>(x, xs, M, K, q, add, y, N, nb, [&](const uint8_t* run, const int8_t* rows, const float* row_scales,
+                                                         __m256 (&total)[2][MB]) {
     for (int h = 0; h < 2; ++h) {
       const auto at = [&](int offset) { return reinterpret_cast<const __m256i*>(run + offset + 32 * h); };
       __m256i codes[8];  // Q4: the codes; Q8: their magnitudes
@@ -355,8 +366,7 @@ void tile8_avx2(const int8_t* x, const float* xs, int64_t M, int64_t K, const ui
         total[h][m] = add_group<F>(total[h][m], sum, scale, minimum, row_scales + 2 * m);
       }
     }
-  }
-  store_halves(total, add, y, N, nb);
+  });
 }
 
 // Up to this many rows tile8_avx2_few is the faster form (beyond, Q4_1's ran slower and Q8_0's no
@@ -374,16 +384,9 @@ template <int F, int MB>
 void tile8_avx2_few(const int8_t* x, const float* xs, int64_t M, int64_t K, const uint8_t* q, const float* add,
                     float* y, int64_t N, int64_t nb) {
   static_assert(MB <= FEW_ROWS<F>, "few rows only");
-  __m256 total[2][MB];
-  for (int h = 0; h < 2; ++h)
-    for (int m = 0; m < MB; ++m) total[h][m] = _mm256_setzero_ps();
-  const int64_t groups = K / 32;
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-  for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* run = q + (nb * groups + g) * FORMAT_BYTES<F>;
-    prefetch_ahead<F>(run);
-    const int8_t* rows = x + g * M * 32;
-    const float* row_scales = xs + g * M * 2;
+  over_groups<F, MB>(x, xs, M, K, q, add, y, N, nb, [&](const uint8_t* run, const int8_t* rows, const float* row_scales,
+                                                         __m256 (&total)[2][MB]) {
     const auto at = [&](int offset, int h) { return reinterpret_cast<const __m256i*>(run + offset + 32 * h); };
     const auto four = [&](int m, int p) {  // row m's bytes 4p..4p+3, broadcast
       int32_t bytes;
@@ -429,8 +432,7 @@ void tile8_avx2_few(const int8_t* x, const float* xs, int64_t M, int64_t K, cons
         total[h][m] = add_group<F>(total[h][m], whole, scale, minimum, row_scales + 2 * m);
       }
     }
-  }
-  store_halves(total, add, y, N, nb);
+  });
 }
 #endif
 
