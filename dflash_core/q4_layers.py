@@ -179,9 +179,8 @@ class FusedPass:
 def fused_pass(target) -> tuple[FusedPass | None, str]:
     """``FusedPass`` for ``target`` where its layers are ``q4_layers``' on ``int8_rows``' Q4_1
     kernels (w4a8) with no QKV biases or per-head norms, attention is ``dot_attention``'s, and a
-    pass through it gives, bit for bit, the layer-by-layer pass's logits, keys and values (a block's
-    and then the fewest rows a pass runs); else
-    None; and a note."""
+    pass through it gives, bit for bit, the layer-by-layer pass's logits, keys and values (a
+    block's, then the fewest rows a pass runs: ``min_rows``); else None; and a note."""
     from .dot_attention import DotAttention
 
     layers = target.layers

@@ -481,11 +481,10 @@ class FastTarget:
         return why
 
     def _probe_min_rows(self) -> tuple[int, bool]:
-        """The fewest rows per pass (from ``MIN_ROWS_CANDIDATES``, after 1 for the
-        ``LONE_ROW_FORMATS``) with which, after a prompt's
-        pass, decoding in passes of every size in ``PROBE_CHUNKS`` gives, bit for bit, the
-        logits of decoding the same positions ``PROBE_BLOCK`` at a time; ``(smallest candidate,
-        False)`` when none does.
+        """The fewest rows per pass (1 first for the ``LONE_ROW_FORMATS``, then
+        ``MIN_ROWS_CANDIDATES``) with which, after a prompt's pass, decoding in passes of every
+        size in ``PROBE_CHUNKS`` gives, bit for bit, the logits of decoding the same positions
+        ``PROBE_BLOCK`` at a time; ``(smallest candidate, False)`` when none does.
 
         Matrix kernels choose their code path (GEMV, register blocking, K split) from the number
         of rows, and which row counts share a path differs between CPUs (AMD / Intel, AVX2 /
