@@ -484,7 +484,7 @@ class FastTarget:
         """The fewest rows per pass (1 first for the ``LONE_ROW_FORMATS``, then
         ``MIN_ROWS_CANDIDATES``) with which, after a prompt's pass, decoding in passes of every
         size in ``PROBE_CHUNKS`` gives, bit for bit, the logits of decoding the same positions
-        ``PROBE_BLOCK`` at a time; ``(smallest candidate, False)`` when none does.
+        ``PROBE_BLOCK`` at a time; ``(MIN_ROWS_CANDIDATES[0], False)`` when none does.
 
         Matrix kernels choose their code path (GEMV, register blocking, K split) from the number
         of rows, and which row counts share a path differs between CPUs (AMD / Intel, AVX2 /
