@@ -292,6 +292,27 @@ inline __m256 add_group(__m256 total, __m256i sum, __m256 scale, __m256 minimum,
   return total;
 }
 
+// Bytes 4p..4p+3 of a row's group as one int32 (broadcast, they meet four inputs of each output).
+inline int32_t four_bytes(const int8_t* row, int p) {
+  int32_t bytes;
+  std::memcpy(&bytes, row + 4 * p, sizeof bytes);
+  return bytes;
+}
+
+// Q4: a 32-byte line's two code registers, the low nibbles (codes 2t) and the high (2t + 1).
+inline void nibbles(__m256i w, __m256i& low_codes, __m256i& high_codes) {
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  low_codes = _mm256_and_si256(w, low);
+  high_codes = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
+}
+
+// Q8: the int32 sums of c * r for the codes c (``signs``, their magnitudes |c|) and four rows'
+// bytes stored as r + 128 (``four``): |c| * (r signed by c), whose pairs vpmaddubsw sums exactly.
+inline __m256i q8_dot(__m256i magnitudes, __m256i signs, int32_t four) {
+  const __m256i signed_rows = _mm256_sign_epi8(_mm256_set1_epi32(four ^ static_cast<int32_t>(0x80808080u)), signs);
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(magnitudes, signed_rows), _mm256_set1_epi16(1));
+}
+
 // The two halves' totals of MB rows stored as tile8's 16-output blocks.
 template <int MB>
 inline void store_halves(const __m256 (&total)[2][MB], const float* add, float* y, int64_t N, int64_t nb) {
@@ -330,7 +351,7 @@ inline void over_groups(const int8_t* x, const float* xs, int64_t M, int64_t K, 
 template <int F, int MB>
 void tile8_avx2(const int8_t* x, const float* xs, int64_t M, int64_t K, const uint8_t* q, const float* add, float* y,
                 int64_t N, int64_t nb) {
-  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256i ones = _mm256_set1_epi16(1);
   over_groups<F, MB>(x, xs, M, K, q, add, y, N, nb, [&](const uint8_t* run, const int8_t* rows, const float* row_scales,
                                                          __m256 (&total)[2][MB]) {
     for (int h = 0; h < 2; ++h) {
@@ -339,11 +360,7 @@ void tile8_avx2(const int8_t* x, const float* xs, int64_t M, int64_t K, const ui
       __m256 scale, minimum;
       half_scales<F>(run, h, scale, minimum);
       if constexpr (F == Q4) {
-        for (int t = 0; t < 4; ++t) {
-          const __m256i w = _mm256_loadu_si256(at(64 * t));
-          codes[2 * t] = _mm256_and_si256(w, low);
-          codes[2 * t + 1] = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
-        }
+        for (int t = 0; t < 4; ++t) nibbles(_mm256_loadu_si256(at(64 * t)), codes[2 * t], codes[2 * t + 1]);
       } else {
         for (int p = 0; p < 8; ++p) codes[p] = _mm256_abs_epi8(_mm256_loadu_si256(at(64 * p)));
       }
@@ -352,15 +369,11 @@ void tile8_avx2(const int8_t* x, const float* xs, int64_t M, int64_t K, const ui
         __m256i sum = _mm256_setzero_si256();  // Q4: 16-bit pair sums until widened
 #pragma GCC unroll 8
         for (int p = 0; p < 8; ++p) {
-          int32_t four;
-          std::memcpy(&four, row + 4 * p, sizeof four);
-          if constexpr (F == Q4) {
+          const int32_t four = four_bytes(row, p);
+          if constexpr (F == Q4)
             sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(codes[p], _mm256_set1_epi32(four)));
-          } else {
-            const __m256i signs = _mm256_loadu_si256(at(64 * p));
-            const __m256i signed_rows = _mm256_sign_epi8(_mm256_set1_epi32(four ^ static_cast<int32_t>(0x80808080u)), signs);
-            sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(codes[p], signed_rows), ones));
-          }
+          else
+            sum = _mm256_add_epi32(sum, q8_dot(codes[p], _mm256_loadu_si256(at(64 * p)), four));
         }
         if constexpr (F == Q4) sum = _mm256_madd_epi16(sum, ones);
         total[h][m] = add_group<F>(total[h][m], sum, scale, minimum, row_scales + 2 * m);
@@ -376,7 +389,7 @@ constexpr int FEW_ROWS = F == Q4 ? 6 : 4;
 
 // tile8_avx2 for a few rows, where the codes serve too few rows to be worth holding: each
 // code register is decoded (Q4) or loaded (Q8) as the products reach it, for both halves of the
-// block, and each row's four bytes broadcast once for both. The same exact int32 sums (16-bit adds
+// block, each row's four bytes read once for both. The same exact int32 sums (16-bit adds
 // of vpmaddubsw's pair sums cannot overflow, so their order is free) and the same float steps in
 // the same order, so a row's numbers are tile8_avx2's. Holding the eight codes of a half costs
 // half of AVX2's sixteen registers, and each row's broadcasts are made once per half there.
@@ -384,15 +397,11 @@ template <int F, int MB>
 void tile8_avx2_few(const int8_t* x, const float* xs, int64_t M, int64_t K, const uint8_t* q, const float* add,
                     float* y, int64_t N, int64_t nb) {
   static_assert(MB <= FEW_ROWS<F>, "few rows only");
-  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256i ones = _mm256_set1_epi16(1);
   over_groups<F, MB>(x, xs, M, K, q, add, y, N, nb, [&](const uint8_t* run, const int8_t* rows, const float* row_scales,
                                                          __m256 (&total)[2][MB]) {
     const auto at = [&](int offset, int h) { return reinterpret_cast<const __m256i*>(run + offset + 32 * h); };
-    const auto four = [&](int m, int p) {  // row m's bytes 4p..4p+3, broadcast
-      int32_t bytes;
-      std::memcpy(&bytes, rows + 32 * m + 4 * p, sizeof bytes);
-      return bytes;
-    };
+    const auto four = [&](int m, int p) { return four_bytes(rows + 32 * m, p); };
     __m256i sum[2][MB];  // Q4: 16-bit pair sums until widened; Q8: int32
     for (int h = 0; h < 2; ++h)
       for (int m = 0; m < MB; ++m) sum[h][m] = _mm256_setzero_si256();
@@ -405,8 +414,8 @@ void tile8_avx2_few(const int8_t* x, const float* xs, int64_t M, int64_t K, cons
           odd[m] = _mm256_set1_epi32(four(m, 2 * t + 1));
         }
         for (int h = 0; h < 2; ++h) {
-          const __m256i w = _mm256_loadu_si256(at(64 * t, h));
-          const __m256i c0 = _mm256_and_si256(w, low), c1 = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
+          __m256i c0, c1;
+          nibbles(_mm256_loadu_si256(at(64 * t, h)), c0, c1);
           for (int m = 0; m < MB; ++m)
             sum[h][m] = _mm256_add_epi16(sum[h][m], _mm256_add_epi16(_mm256_maddubs_epi16(c0, even[m]),
                                                                        _mm256_maddubs_epi16(c1, odd[m])));
@@ -415,12 +424,9 @@ void tile8_avx2_few(const int8_t* x, const float* xs, int64_t M, int64_t K, cons
     } else {
 #pragma GCC unroll 8
       for (int p = 0; p < 8; ++p) {
-        __m256i signed_rows[MB];
-        for (int m = 0; m < MB; ++m) signed_rows[m] = _mm256_set1_epi32(four(m, p) ^ static_cast<int32_t>(0x80808080u));
         for (int h = 0; h < 2; ++h) {
           const __m256i signs = _mm256_loadu_si256(at(64 * p, h)), codes = _mm256_abs_epi8(signs);
-          for (int m = 0; m < MB; ++m)
-            sum[h][m] = _mm256_add_epi32(sum[h][m], _mm256_madd_epi16(_mm256_maddubs_epi16(codes, _mm256_sign_epi8(signed_rows[m], signs)), ones));
+          for (int m = 0; m < MB; ++m) sum[h][m] = _mm256_add_epi32(sum[h][m], q8_dot(codes, signs, four(m, p)));
         }
       }
     }
