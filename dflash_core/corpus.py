@@ -25,6 +25,7 @@ chance ``lookup.LookupStats`` learns online.
 from __future__ import annotations
 
 import functools
+from collections import Counter
 from pathlib import Path
 from typing import Sequence
 
@@ -35,6 +36,7 @@ from .errors import DFlashError
 
 NGRAMS = (3, 2)  # n-gram sizes looked up, longest first (a longer match is still found by MAX_BACK)
 MAX_CANDIDATES = 512  # occurrences of an n-gram weighed at most (spread evenly over all of them)
+FEW_OCCURRENCES = 32  # from this many occurrences down, a guess's walk runs on Python lists (AnswerCorpus._follow)
 MAX_BACK = 12  # how many tokens before the n-gram a match is extended to, to rank occurrences
 END = np.iinfo(np.uint16).max  # between answers: no guess runs across it (token ids are below it)
 MATCH_BUCKETS = (3, 4, 5, 7, 10)  # a match shorter than each of these goes in that bucket (10 and longer: the last)
@@ -96,44 +98,76 @@ class AnswerCorpus:
             found = starts[lo:hi]
             if len(found) > MAX_CANDIDATES:
                 found = found[np.linspace(0, len(found) - 1, MAX_CANDIDATES).astype(np.int64)]
-            found = found.astype(np.int64)
-            back = np.zeros(len(found), dtype=np.int64)
-            alive = np.ones(len(found), dtype=bool)
-            for j in range(1, min(MAX_BACK, len(text) - n) + 1):
-                at = found - n - j
-                alive &= at >= 0
-                alive[alive] = tokens[at[alive]] == text[-n - j]
-                if not alive.any():
-                    break
-                back += alive
-            found = found[back == back.max()]
+            found, back = self._longest_matches(found.astype(np.int64), text, n)
             guess, support = self._follow(found, length)
-            return guess, n + int(back.max()), support
+            return guess, n + back, support
         return [], 0, []
+
+    def _longest_matches(self, found: np.ndarray, text: Sequence[int], n: int) -> tuple[np.ndarray, int]:
+        """Of the occurrences continuing at ``found`` (of the text's last ``n`` tokens), those
+        whose earlier tokens match the text furthest back (at most ``MAX_BACK``), in their order,
+        and how far. Every occurrence's earlier tokens are read in one gather (a numpy call per
+        token back was a good part of a guess's time: scripts/corpus_speed.py)."""
+        reach = min(MAX_BACK, len(text) - n)
+        if reach <= 0:
+            return found, 0
+        at = found[:, None] - n - np.arange(1, reach + 1)  # (C, reach): each earlier token's place
+        wanted = np.asarray(text[len(text) - n - reach : len(text) - n][::-1], dtype=np.int64)
+        same = (at >= 0) & (self.tokens[np.maximum(at, 0)] == wanted)
+        back = np.logical_and.accumulate(same, axis=1).sum(axis=1)  # tokens matched before the first that differs
+        longest = int(back.max())
+        return found[back == longest], longest
 
     def _follow(self, found: np.ndarray, length: int) -> tuple[list[int], list[tuple[int, int]]]:
         """The continuation most of the occurrences starting at ``found`` share, token by token,
-        and how many of them continue with each token, of how many."""
-        tokens, guess, support = self.tokens, [], []
-        while len(guess) < length:
-            if len(found) == 1:  # one occurrence left: copy it to its answer's end
-                run = tokens[found[0] : found[0] + length - len(guess)]
-                ends = np.flatnonzero(run == END)
-                copied = [int(t) for t in (run[: ends[0]] if len(ends) else run)]
-                guess += copied
-                support += [(1, 1)] * len(copied)
-                break
-            following = tokens[found]
-            token, count = following[0], len(found)
-            if following.min() != following.max():  # they part here: the continuation most share
+        and how many of them continue with each token, of how many (a tie: the smallest token
+        id). Their next ``length`` tokens are read in one gather (past the corpus's end: its last
+        token, an ``END``); once ``FEW_OCCURRENCES`` or fewer are left, the walk goes on in Python
+        lists: a numpy call costs more than a few occurrences' tokens (scripts/corpus_speed.py)."""
+        tokens = self.tokens
+        window = tokens[np.minimum(found[:, None] + np.arange(length), len(tokens) - 1)]  # (C, length)
+        guess: list[int] = []
+        support: list[tuple[int, int]] = []
+        while len(window) > FEW_OCCURRENCES and len(guess) < length:
+            following = window[:, len(guess)]
+            token, count = following[0], len(window)
+            if not (following == token).all():  # they part here: the continuation most share
                 values, counts = np.unique(following, return_counts=True)
                 token, count = values[counts.argmax()], int(counts.max())
             if token == END:
-                break
+                return guess, support
             guess.append(int(token))
-            support.append((count, len(found)))
-            found = found[following == token] + 1
-        return guess, support
+            support.append((count, len(window)))
+            if count < len(window):
+                window = window[following == token]
+        return _follow_few(window.tolist(), guess, support, length)
+
+
+def _follow_few(rows: list[list[int]], guess: list[int], support: list[tuple[int, int]],
+                length: int) -> tuple[list[int], list[tuple[int, int]]]:
+    """``AnswerCorpus._follow``'s walk over a few occurrences' next tokens (``rows``, from the
+    token ``len(guess)`` on), extending ``guess`` and ``support``."""
+    while len(guess) < length:
+        at = len(guess)
+        if len(rows) == 1:  # one occurrence left: copy it to its answer's end
+            run = rows[0][at:]
+            if END in run:
+                run = run[: run.index(END)]
+            guess += run
+            support += [(1, 1)] * len(run)
+            break
+        following = [row[at] for row in rows]
+        token, count = following[0], len(rows)
+        if following.count(token) != count:  # they part here: the continuation most share
+            counts = Counter(following)
+            count = max(counts.values())
+            token = min(t for t, c in counts.items() if c == count)
+        if token == END:
+            break
+        guess.append(token)
+        support.append((count, len(rows)))
+        rows = [row for row in rows if row[at] == token]
+    return guess, support
 
 
 def chance_keys(match: int, support: Sequence[tuple[int, int]]) -> list[int]:

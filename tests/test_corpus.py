@@ -4,10 +4,11 @@ more tokens per cycle where they hold what the target says)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
-from dflash_core.corpus import MAX_CANDIDATES, AnswerCorpus, chance_keys, load_corpus
+from dflash_core.corpus import END, MAX_BACK, MAX_CANDIDATES, NGRAMS, AnswerCorpus, chance_keys, load_corpus
 from dflash_core.errors import DFlashError
 from dflash_core.lookup import LookupStats
 from dflash_core.speculative import GenerationConfig, collect, stream
@@ -46,6 +47,57 @@ def test_many_occurrences_are_weighed_evenly_spread():
     answers = [[1, 2, 3, 4]] * (3 * MAX_CANDIDATES) + [[1, 2, 3, 5]] * (MAX_CANDIDATES // 2)
     tokens, match, support = AnswerCorpus(answers).continuation([1, 2, 3], 1)
     assert tokens == [4] and match == 3 and support[0][1] == MAX_CANDIDATES
+
+
+def _guess_token_by_token(corpus: AnswerCorpus, text: list[int], length: int) -> tuple[list[int], int, list]:
+    """``continuation``'s rule as its docstring states it, one token and one occurrence at a time."""
+    tokens = corpus.tokens.tolist()
+    for n in NGRAMS:
+        if len(text) < n:
+            continue
+        found = [i + n for i in range(len(tokens) - n)
+                 if tokens[i : i + n] == text[-n:] and tokens[i + n] != END and END not in tokens[i : i + n]]
+        if not found:
+            continue
+        if len(found) > MAX_CANDIDATES:
+            found = [found[int(i)] for i in np.linspace(0, len(found) - 1, MAX_CANDIDATES).astype(np.int64)]
+
+        def back(at: int) -> int:
+            k = 0
+            while k < min(MAX_BACK, len(text) - n) and at - n - k - 1 >= 0 and tokens[at - n - k - 1] == text[-n - k - 1]:
+                k += 1
+            return k
+
+        longest = max(back(at) for at in found)
+        found = [at for at in found if back(at) == longest]
+        guess, support = [], []
+        while len(guess) < length:
+            following = [tokens[at] for at in found]
+            counts = {t: following.count(t) for t in following}
+            token = min(counts, key=lambda t: (-counts[t], t))  # the most shared; a tie: the smallest id
+            if token == END:
+                break
+            guess.append(token)
+            support.append((counts[token], len(found)))
+            found = [at + 1 for at in found if tokens[at] == token]
+        return guess, n + longest, support
+    return [], 0, []
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_guesses_equal_the_rule_taken_token_by_token(seed):
+    # Few distinct tokens, answers that repeat and part: many occurrences (past FEW_OCCURRENCES
+    # and MAX_CANDIDATES), ties, runs into answers' ends and the corpus's end.
+    rng = np.random.default_rng(seed)
+    stems = [rng.integers(1, 6, size=int(rng.integers(3, 12))).tolist() for _ in range(8)]
+    answers = [stems[int(rng.integers(len(stems)))] + rng.integers(1, 6, size=int(rng.integers(0, 6))).tolist()
+               for _ in range(300 + 200 * seed)]
+    corpus = AnswerCorpus(answers)
+    assert MAX_CANDIDATES < 4 * len(answers)
+    for _ in range(25):
+        text = rng.integers(1, 6, size=int(rng.integers(1, 20))).tolist()
+        length = int(rng.integers(1, 16))
+        assert corpus.continuation(text, length) == _guess_token_by_token(corpus, text, length)
 
 
 def test_chance_keys_bucket_match_length_and_agreement():
