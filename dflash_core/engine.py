@@ -19,6 +19,7 @@ from .loading import LoadedPair, Progress, load_pair
 from .corpus import AnswerCorpus, load_corpus
 from .lookup import LookupStats
 from .messages import encode_messages
+from .proposers import DraftingMeter
 from .prompting import check_fits_context, encode_prompt, has_thinking_switch, max_new_tokens_limit, stop_token_ids
 from .registry import load_registry
 from .request import AR, VARIANTS, Request, Resolved, variant
@@ -43,6 +44,8 @@ class Engine:
         self.lookup_stats = LookupStats(memory=LOOKUP_MEMORY)
         # The same for guesses from the target's own earlier answers (the pair's lookup_answers).
         self.answers_stats = LookupStats(memory=LOOKUP_MEMORY)
+        # Whether drafting has been paying, per kind of adaptive generation (``drafting_meter``).
+        self.drafting_meters: dict[GenerationConfig, DraftingMeter] = {}
         # What the latest run did, kept so front ends can show (and tests can check) that a run
         # whose consumer went away really stopped: cycles, tokens, and how it ended.
         self.last_run: dict[str, Any] | None = None
@@ -143,8 +146,9 @@ class Engine:
                     shaped = config.adaptive and (config.tree or config.lookup) and drafter is not None
                     tree_costs = self.tree_costs() if shaped else (0.0, 0.0)
                     answers = self.answers() if config.lookup and drafter is not None else None
+                    meter = self.drafting_meter(config, costs) if costs else None
                     for event in stream(self.target.runner, drafter, prompt_ids, config, self.stop_ids, should_stop,
-                                        costs, tree_costs, self.lookup_stats, answers):
+                                        costs, tree_costs, self.lookup_stats, answers, meter):
                         run["cycles"] += 1
                         run["tokens"] += len(event.committed)
                         run["finish_reason"] = event.finish_reason
@@ -161,7 +165,7 @@ class Engine:
         """Measure what adaptive verification needs and run each kind of generation once, so
         that a fresh process's first timed run is not the one paying for first calls (kernel
         setup for each pass size, allocations, calibration). Leaves no trace in ``last_run``,
-        ``runs`` or prompt lookup's learnt chances."""
+        ``runs``, prompt lookup's learnt chances or the drafting meters."""
         with self.lock:
             if self.drafter is not None:
                 self.verify_costs()
@@ -174,6 +178,17 @@ class Engine:
         self.last_run, self.runs = None, 0
         self.lookup_stats = LookupStats(memory=LOOKUP_MEMORY)
         self.answers_stats = LookupStats(memory=LOOKUP_MEMORY)
+        self.drafting_meters = {}
+
+    def drafting_meter(self, config: GenerationConfig, verify_costs: list[float]) -> DraftingMeter:
+        """The meter of whether drafting pays for generations like ``config`` (the same block,
+        shape and sampling; any length and seed), carried from one to the next: a machine and
+        pair where the drafter does not pay against the target alone learn it once, instead of
+        paying a drafting cycle over the whole prompt at every generation's start."""
+        kind = replace(config, max_new_tokens=1, seed=None)
+        if kind not in self.drafting_meters:
+            self.drafting_meters[kind] = DraftingMeter(verify_costs)
+        return self.drafting_meters[kind]
 
     def answers(self) -> tuple[AnswerCorpus, LookupStats] | None:
         """The target's own answers, indexed on first need (a few seconds; ``load_corpus`` keeps

@@ -85,7 +85,8 @@ class DraftingMeter:
     drafting has been slower, the drafter sits out the next cycles (the target alone, exact as
     ever: 1, then 2, 4 ... up to ``MAX_SKIP`` while it keeps not paying), then drafts again to
     measure anew. A fast target with a weak drafter (tau near 2) otherwise makes an adaptive
-    variant slower than AR."""
+    variant slower than AR. An engine carries one meter from a generation to the next of the
+    same kind (``Engine.drafting_meter``): what it measured, and where it was in sitting out."""
 
     def __init__(self, verify_costs: Sequence[float]) -> None:
         self.single = verify_costs[0]
@@ -278,6 +279,14 @@ class Proposer(Protocol):
         cycle's ``cycle_s`` (drafting and verifying)."""
 
 
+def _meter(verify_costs: Sequence[float] | None, carried: DraftingMeter | None) -> DraftingMeter | None:
+    """An adaptive proposer's meter: ``carried`` (an engine's, from its earlier generations) or a
+    new one; None without ``verify_costs`` (not adaptive)."""
+    if not verify_costs:
+        return None
+    return carried if carried is not None else DraftingMeter(verify_costs)
+
+
 def _no_drafts(anchor: int, device: torch.device) -> ChainDraft:
     return ChainDraft(anchor=anchor, tokens=torch.empty(0, dtype=torch.long, device=device),
                       confidence=torch.empty(0, device=device))
@@ -335,10 +344,11 @@ class ChainProposer:
     the length that maximises expected tokens per second (``choose_draft_length``)."""
 
     def __init__(self, block: DrafterBlock, sampling: Sampling, samples_drafts: bool,
-                 verify_costs: Sequence[float] | None, now: Callable[[], float]) -> None:
+                 verify_costs: Sequence[float] | None, now: Callable[[], float],
+                 meter: DraftingMeter | None = None) -> None:
         self.block, self.sampling, self.samples_drafts = block, sampling, samples_drafts
         self.verify_costs, self.now = verify_costs, now
-        self.meter = DraftingMeter(verify_costs) if verify_costs else None
+        self.meter = _meter(verify_costs, meter)
         self.reach = DrafterReach() if verify_costs else None
 
     def propose(self, anchor: int, start: int, size: int, started: float) -> ChainDraft:
@@ -388,7 +398,8 @@ class TreeProposer:
 
     def __init__(self, block: DrafterBlock, branching: int, lookup: tuple[NgramIndex, LookupStats] | None,
                  verify_costs: Sequence[float] | None, tree_costs: tuple[float, float],
-                 now: Callable[[], float], answers: tuple[AnswerCorpus, LookupStats] | None = None) -> None:
+                 now: Callable[[], float], answers: tuple[AnswerCorpus, LookupStats] | None = None,
+                 meter: DraftingMeter | None = None) -> None:
         self.block, self.branching, self.lookup = block, branching, lookup
         self.answers = answers if lookup is not None else None
         self.verify_costs, self.tree_costs, self.now = verify_costs, tree_costs, now
@@ -396,7 +407,7 @@ class TreeProposer:
         # drafter adds where the guesses fail at once.
         self.draft_cost: float | None = None
         self.drafter_gain = 1.0
-        self.meter = DraftingMeter(verify_costs) if verify_costs else None
+        self.meter = _meter(verify_costs, meter)
         self.reach = DrafterReach() if verify_costs else None
 
     def _guesses(self, count: int) -> tuple[Guess, Guess]:

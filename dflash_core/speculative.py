@@ -174,7 +174,8 @@ class LoopState:
 def _proposer(config: GenerationConfig, rule: acceptance.Rule, sampling: acceptance.Sampling, target: TargetRunner,
               drafter: DFlashDrafter | None, features: torch.Tensor | None, committed: list[int],
               verify_costs: Sequence[float] | None, tree_costs: tuple[float, float], lookup_stats: LookupStats | None,
-              now: Callable[[], float], answers: tuple[AnswerCorpus, LookupStats] | None = None) -> proposers.Proposer:
+              now: Callable[[], float], answers: tuple[AnswerCorpus, LookupStats] | None = None,
+              meter: proposers.DraftingMeter | None = None) -> proposers.Proposer:
     """The proposer ``config`` asks for (``drafter`` None: the target alone). ``features``: the
     prompt's; ``committed``: every token so far, prompt included."""
     if drafter is None:
@@ -182,9 +183,9 @@ def _proposer(config: GenerationConfig, rule: acceptance.Rule, sampling: accepta
     block = proposers.DrafterBlock(drafter, target, features)
     costs = verify_costs if config.adaptive and verify_costs else None
     if not (config.tree or config.lookup):
-        return proposers.ChainProposer(block, sampling, rule.samples_drafts, costs, now)
+        return proposers.ChainProposer(block, sampling, rule.samples_drafts, costs, now, meter)
     lookup = (NgramIndex(committed), lookup_stats or LookupStats()) if config.lookup else None
-    return proposers.TreeProposer(block, BRANCHING if config.tree else 1, lookup, costs, tree_costs, now, answers)
+    return proposers.TreeProposer(block, BRANCHING if config.tree else 1, lookup, costs, tree_costs, now, answers, meter)
 
 
 @torch.inference_mode()
@@ -199,6 +200,7 @@ def stream(
     tree_costs: tuple[float, float] = (0.0, 0.0),
     lookup_stats: LookupStats | None = None,
     answers: tuple[AnswerCorpus, LookupStats] | None = None,
+    meter: proposers.DraftingMeter | None = None,
 ) -> Iterator[CycleEvent]:
     """Generate after ``prompt_ids``, yielding one ``CycleEvent`` per cycle.
 
@@ -210,6 +212,8 @@ def stream(
     (``measure_tree_costs``). ``lookup_stats``: the estimates prompt lookup starts from (an
     engine keeps one across generations); a fresh ``LookupStats`` when None. ``answers``: the
     target's own earlier answers and their chances, guessed from beside prompt lookup (``corpus.py``).
+    ``meter``: with ``config.adaptive``, whether drafting has been paying (``proposers.DraftingMeter``),
+    as earlier generations left it (an engine keeps one per kind of generation); a new one when None.
     """
     block_size = int(config.block_size or 1)
     speculative = drafter is not None and block_size > 1
@@ -251,7 +255,8 @@ def stream(
     if reason:
         return
     proposer = _proposer(config, rule, sampling, target, drafter if speculative else None, out.features,
-                         list(prompt_ids) + committed, verify_costs, tree_costs, lookup_stats, clock.now, answers)
+                         list(prompt_ids) + committed, verify_costs, tree_costs, lookup_stats, clock.now, answers,
+                         meter)
     while True:
         state.index += 1
         if should_stop is not None and should_stop():

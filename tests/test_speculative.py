@@ -283,6 +283,45 @@ def test_the_drafting_meter_weighs_drafting_against_the_targets_measured_cycles_
     assert paying.drafting() and paying.drafting()
 
 
+@pytest.mark.parametrize("shape", [{}, {"tree": True, "lookup": True}])
+def test_a_carried_drafting_meter_goes_on_sitting_out_where_the_last_generation_left_it(shape):
+    from dflash_core.proposers import DraftingMeter
+
+    model = tiny_target("llama", seed=3)
+    runner, drafter = FastTarget(model), tiny_drafter(model)
+    costs = [0.01] * 16
+    config = GenerationConfig(max_new_tokens=40, block_size=8, adaptive=True, **shape).validated(16)
+    ar = collect(stream(runner, None, PROMPTS[0], GenerationConfig(max_new_tokens=40, block_size=1).validated(16)))
+    meter = DraftingMeter(costs)
+    meter.skip, meter.backoff = 4, 8  # an earlier generation's drafting did not pay: sitting out
+    out = collect(stream(runner, drafter, PROMPTS[0], config, verify_costs=costs, meter=meter))
+    assert out.token_ids == ar.token_ids and len(out.cycles) > 4
+    assert all(not e.drafted or e.lookup_only for e in out.cycles[:4])  # the drafter sat the first four out
+    assert out.cycles[4].drafted and not out.cycles[4].lookup_only  # then drafted again, as the meter said
+    assert meter.tokens is not None  # and the meter passed in recorded it
+    fresh = collect(stream(runner, drafter, PROMPTS[0], config, verify_costs=costs))
+    assert fresh.cycles[0].drafted and not fresh.cycles[0].lookup_only  # a new meter drafts at once
+
+
+def test_an_engine_keeps_one_drafting_meter_per_kind_of_generation(smollm2_engine):
+    from dflash_core.request import Request
+
+    engine, costs = smollm2_engine, [0.01] * 16
+    engine.drafting_meters.clear()  # what earlier tests' generations left
+    config = GenerationConfig(max_new_tokens=8, block_size=16, adaptive=True, tree=True, lookup=True)
+    meter = engine.drafting_meter(config, costs)
+    assert engine.drafting_meter(GenerationConfig(max_new_tokens=99, block_size=16, adaptive=True, tree=True,
+                                                  lookup=True, seed=7), costs) is meter  # any length and seed
+    assert engine.drafting_meter(GenerationConfig(max_new_tokens=8, block_size=16, adaptive=True), costs) is not meter
+    engine.drafting_meters.clear()
+    resolved = engine.resolve(Request(prompt="Say yes.", variant="dflash_tree_lookup_adaptive", max_new_tokens=8))
+    collect(engine.stream_ids(resolved.prompt_ids, resolved.config))
+    (used,) = engine.drafting_meters.values()  # the run's kind
+    assert used.tokens is not None  # the run drafted into the engine's meter (a new meter drafts at once)
+    engine.warm_up(max_new_tokens=4)
+    assert engine.drafting_meters == {}  # the warm-up's generations leave no trace
+
+
 def test_the_drafters_reach_shrinks_its_block_to_the_drafts_verified_and_grows_it_back():
     from dflash_core.proposers import DrafterReach
 
