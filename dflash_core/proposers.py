@@ -311,8 +311,18 @@ class DrafterBlock:
     def __init__(self, drafter: DFlashDrafter, target: TargetRunner, features: torch.Tensor) -> None:
         self.drafter, self.target = drafter, target
         self.cache = drafter.new_cache()
-        self.context = features  # (T, F) target features of positions context_start.. not yet seen
+        # (T, F) target features of positions context_start.. not yet seen, in the pieces the
+        # cycles kept: joined when the drafter runs, not at every cycle it sits out (each join
+        # copied all the pieces before it again)
+        self.unseen = [features]
         self.context_start = 0
+
+    @property
+    def context(self) -> torch.Tensor:
+        """The features the drafter has not seen yet, (T, F), from ``context_start``."""
+        if len(self.unseen) > 1:
+            self.unseen = [torch.cat(self.unseen)]
+        return self.unseen[0]
 
     def logits(self, anchor: int, start: int, size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Drafter logits for block slots 1..size-1, (size - 1, V'), and the token id of each of
@@ -333,9 +343,9 @@ class DrafterBlock:
         """The kept positions' features (from ``start``): the next context; when the drafter did
         not run this cycle, added to the context it has not seen yet."""
         if ran:  # the drafter has now seen the old context
-            self.context, self.context_start = features, start
+            self.unseen, self.context_start = [features], start
         else:
-            self.context = torch.cat((self.context, features))
+            self.unseen.append(features)
 
 
 class ChainProposer:
