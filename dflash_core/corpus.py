@@ -96,12 +96,36 @@ class AnswerCorpus:
             if hi == lo:
                 continue
             found = starts[lo:hi]
+            if len(found) <= FEW_OCCURRENCES:
+                return self._few(found.tolist(), text, n, length)
             if len(found) > MAX_CANDIDATES:
                 found = found[np.linspace(0, len(found) - 1, MAX_CANDIDATES).astype(np.int64)]
             found, back = self._longest_matches(found.astype(np.int64), text, n)
             guess, support = self._follow(found, length)
             return guess, n + back, support
         return [], 0, []
+
+    def _few(self, found: list[int], text: Sequence[int], n: int,
+             length: int) -> tuple[list[int], int, list[tuple[int, int]]]:
+        """``continuation`` for a few occurrences (``found``, of the text's last ``n`` tokens), in
+        Python lists: each occurrence's earlier and next tokens read in one slice, where numpy's
+        calls would cost more than the tokens they read (scripts/corpus_speed.py)."""
+        reach = min(MAX_BACK, len(text) - n)
+        wanted = [text[-n - k] for k in range(1, reach + 1)]  # the text's tokens before the n-gram, going back
+        best, kept = -1, []
+        for at in found:
+            first = max(at - n - reach, 0)
+            window = self.tokens[first : at + length].tolist()
+            ahead = window[at - first :]  # shorter only at the corpus's end, which is an END: never read past
+            back, before = 0, at - n - first  # the earlier tokens in window[:before]
+            while back < reach and back < before and window[before - 1 - back] == wanted[back]:
+                back += 1
+            if back > best:
+                best, kept = back, [ahead]
+            elif back == best:
+                kept.append(ahead)
+        guess, support = _follow_few(kept, [], [], length)
+        return guess, n + best, support
 
     def _longest_matches(self, found: np.ndarray, text: Sequence[int], n: int) -> tuple[np.ndarray, int]:
         """Of the occurrences continuing at ``found`` (of the text's last ``n`` tokens), those

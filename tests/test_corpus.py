@@ -86,16 +86,17 @@ def _guess_token_by_token(corpus: AnswerCorpus, text: list[int], length: int) ->
 
 @pytest.mark.parametrize("seed", range(6))
 def test_guesses_equal_the_rule_taken_token_by_token(seed):
-    # Few distinct tokens, answers that repeat and part: many occurrences (past FEW_OCCURRENCES
-    # and MAX_CANDIDATES), ties, runs into answers' ends and the corpus's end.
+    # Few distinct tokens, answers that repeat and part: an n-gram's occurrences from one to past
+    # FEW_OCCURRENCES and MAX_CANDIDATES, ties, runs into answers' ends and the corpus's end.
     rng = np.random.default_rng(seed)
-    stems = [rng.integers(1, 6, size=int(rng.integers(3, 12))).tolist() for _ in range(8)]
-    answers = [stems[int(rng.integers(len(stems)))] + rng.integers(1, 6, size=int(rng.integers(0, 6))).tolist()
+    ids = 6 if seed % 2 else 14  # fewer distinct tokens: more occurrences of each n-gram
+    stems = [rng.integers(1, ids, size=int(rng.integers(3, 12))).tolist() for _ in range(8)]
+    answers = [stems[int(rng.integers(len(stems)))] + rng.integers(1, ids, size=int(rng.integers(0, 6))).tolist()
                for _ in range(300 + 200 * seed)]
     corpus = AnswerCorpus(answers)
     assert MAX_CANDIDATES < 4 * len(answers)
     for _ in range(25):
-        text = rng.integers(1, 6, size=int(rng.integers(1, 20))).tolist()
+        text = rng.integers(1, ids, size=int(rng.integers(1, 20))).tolist()
         length = int(rng.integers(1, 16))
         assert corpus.continuation(text, length) == _guess_token_by_token(corpus, text, length)
 
