@@ -76,10 +76,11 @@ demo: setup
 	$(PY) -m app
 
 # The suite in TEST_WORKERS pytest-xdist workers, each test file in one worker (its module fixtures,
-# models loaded once, stay shared); tests/conftest.py shares the cores out between them.
+# models loaded once, stay shared); tests/conftest.py shares the cores out between them. The
+# slowest tests are listed at the end: the suite must stay under 20 minutes on 2 cores.
 TEST_WORKERS ?= 2
 test: setup browser
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 test-fast: setup
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow and not browser"
