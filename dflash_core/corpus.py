@@ -36,7 +36,7 @@ from .errors import DFlashError
 
 NGRAMS = (3, 2)  # n-gram sizes looked up, longest first (a longer match is still found by MAX_BACK)
 MAX_CANDIDATES = 512  # occurrences of an n-gram weighed at most (spread evenly over all of them)
-FEW_OCCURRENCES = 32  # from this many occurrences down, a guess's walk runs on Python lists (AnswerCorpus._follow)
+FEW_OCCURRENCES = 32  # from this many occurrences down, a guess is made in Python lists, not numpy calls
 MAX_BACK = 12  # how many tokens before the n-gram a match is extended to, to rank occurrences
 END = np.iinfo(np.uint16).max  # between answers: no guess runs across it (token ids are below it)
 MATCH_BUCKETS = (3, 4, 5, 7, 10)  # a match shorter than each of these goes in that bucket (10 and longer: the last)
@@ -84,7 +84,6 @@ class AnswerCorpus:
         ``[], 0, []`` where the text's last tokens occur nowhere."""
         if length <= 0:
             return [], 0, []
-        tokens = self.tokens
         for n in NGRAMS:
             if len(text) < n:
                 continue
