@@ -5,7 +5,8 @@ docs/BENCHMARKS-AVX2.md cite.
     python scripts/drafting_meter_ab.py [--pair smollm2-135m-int4] [--variant dflash_tree_lookup_adaptive]
         [--compare off|fresh] [--rounds 1]
 
-``--compare off``: the variant without the meter (the drafter drafts every cycle) and with it.
+``--compare off``: the variant without the meter (the drafter drafts every cycle) and with it
+(the engine's, carried between the runs with it).
 ``--compare fresh``: with a new meter at every generation (as before the engine carried it) and
 with the engine's meter, carried from one of the script's generations to the next
 (``Engine.drafting_meter``; each comparison keeps its own).
@@ -48,10 +49,9 @@ def main() -> int:
     def run(prompt: str, variant: str, second: bool) -> tuple[float, list[int]]:
         if opts.compare == "off":
             proposers.DraftingMeter.drafting = metered if second else (lambda self: True)
-        else:
-            if not second:
-                meters[0].clear()
-            engine.drafting_meters = meters[second]
+        elif not second:
+            meters[0].clear()
+        engine.drafting_meters = meters[second]
         resolved = engine.resolve(Request(prompt=prompt, variant=variant, max_new_tokens=256))
         result = collect(engine.stream_ids(resolved.prompt_ids, resolved.config))
         return len(result.token_ids) / result.decode_s, result.token_ids
