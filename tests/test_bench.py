@@ -16,7 +16,7 @@ def test_bench_writes_results_and_report(tmp_path, capsys):
     prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ("Say hello.", "Count to three.", "Name a fruit.")))
     out = tmp_path / "bench"
     code = cli.main(["bench", "--pair", "smollm2-135m-random", "--prompts", str(prompts), "--limit", "2",
-                     "--max-new-tokens", "12", "--out", str(out),
+                     "--max-new-tokens", "12", "--block-size", "4", "--out", str(out),  # 4: cheaper verifies, same checks
                      "--methods", "dflash,ar,hf_generate,prompt_lookup,dflash_adaptive,dflash_tree,dflash_tree_adaptive,"
                      "dflash_lookup,dflash_tree_lookup_adaptive"])
     assert code == 0, capsys.readouterr().err
