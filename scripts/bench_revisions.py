@@ -9,7 +9,10 @@ even number of rounds balances both slow drift and the place of a run in its rou
 tokens/s (median over rounds) and their ratio, and whether every prompt's acceptance lengths and
 token counts (and DFlash == AR) came out the same on both: a restructuring must change none of
 them. Adaptive variants decide from measured times, so theirs may differ between runs of the same
-code; their outputs are still checked against AR by the bench itself.
+code; their outputs are still checked against AR by the bench itself. With ``ar`` among the
+methods it also prints each method against AR within the same run (per prompt and round, the
+median): drift between runs cancels there. ``--from-runs`` prints the same from the runs already
+in ``--out``, running nothing.
 """
 
 from __future__ import annotations
@@ -40,15 +43,29 @@ def fingerprint(results: dict) -> dict:
             for row in results["prompts"] for name, entry in row["methods"].items()}
 
 
+def against_ar(runs: list[dict], method: str) -> float:
+    """``method``'s decode tokens/s over AR's, per prompt of each run: the median."""
+    def speed(entry: dict) -> float:
+        return entry["tokens"] / entry["decode_seconds"]
+
+    return statistics.median(speed(row["methods"][method]) / speed(row["methods"]["ar"])
+                             for results in runs for row in results["prompts"])
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base", required=True, help="the revision to compare this checkout with")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "revisions")
+    parser.add_argument("--from-runs", action="store_true", help="report the runs already in --out, run nothing")
     parser.add_argument("bench_args", nargs=argparse.REMAINDER, help="after --: the bench's own arguments")
     opts = parser.parse_args()
     args = [a for a in opts.bench_args if a != "--"]
     opts.out = opts.out.resolve()  # each bench runs from its own tree
+    if opts.from_runs:
+        runs = {label: [json.loads(f.read_text()) for f in sorted(opts.out.glob(f"{label}-*/results.json"))]
+                for label in ("base", "head")}
+        return report(runs, opts, args)
     with tempfile.TemporaryDirectory() as tmp:
         base_tree = Path(tmp) / "base"
         subprocess.run(["git", "worktree", "add", "--detach", str(base_tree), opts.base], cwd=ROOT, check=True,
@@ -65,17 +82,29 @@ def main() -> int:
                     runs[label].append(bench(tree, args, opts.out / f"{label}-{r}"))
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(base_tree)], cwd=ROOT, check=False)
+    return report(runs, opts, args)
+
+
+def report(runs: dict[str, list[dict]], opts: argparse.Namespace, args: list[str]) -> int:
+    """Print and write (``revisions.json``) what ``runs`` (per revision, each round's results) say."""
     methods = sorted(runs["head"][0]["summary"]["decode_tokens_per_s"])
-    report = {"base": opts.base, "bench_args": args, "rounds": opts.rounds, "methods": {}}
+    summary = {"base": opts.base, "bench_args": args, "rounds": opts.rounds, "methods": {}}
     print(f"{'method':32} {'base tok/s':>11} {'head tok/s':>11} {'head/base':>9}  same outputs")
     for m in methods:
         speed = {label: statistics.median(r["summary"]["decode_tokens_per_s"][m] for r in rs) for label, rs in runs.items()}
         same = all(fingerprint(b).get(k) == v for b, h in zip(runs["base"], runs["head"])
                    for k, v in fingerprint(h).items() if k[1] == m)
-        report["methods"][m] = {**speed, "ratio": round(speed["head"] / speed["base"], 3), "same_outputs": same}
+        summary["methods"][m] = {**speed, "ratio": round(speed["head"] / speed["base"], 3), "same_outputs": same}
         print(f"{m:32} {speed['base']:11.2f} {speed['head']:11.2f} {speed['head'] / speed['base']:9.3f}  {same}")
+    if "ar" in methods:
+        print(f"{'against AR within each run':32} {'base':>11} {'head':>11} {'head/base':>9}")
+        for m in methods:
+            if m != "ar":
+                ratio = {label: against_ar(rs, m) for label, rs in runs.items()}
+                summary["methods"][m]["vs_ar_within_runs"] = {k: round(v, 3) for k, v in ratio.items()}
+                print(f"{m:32} {ratio['base']:11.3f} {ratio['head']:11.3f} {ratio['head'] / ratio['base']:9.3f}")
     opts.out.mkdir(parents=True, exist_ok=True)
-    (opts.out / "revisions.json").write_text(json.dumps(report, indent=2) + "\n")
+    (opts.out / "revisions.json").write_text(json.dumps(summary, indent=2) + "\n")
     return 0
 
 
