@@ -4,8 +4,9 @@
 
 It needs torch and transformers (the tiny models and drafters are the tests' own, from
 dflash_core/testing.py); a lent GPU machine's own python3 has both, and the project need not be
-installed there. ``--device cpu`` runs the same checks on the CPU, as the test
-suite does, so the script is known to work before a GPU is at hand.
+installed there. ``--device cpu`` runs the same checks on the CPU (on shorter answers: there it
+only tries the script's paths), as the test suite does, so the script is known to work before a
+GPU is at hand.
 
 Checks, on CUDA: greedy DFlash == greedy AR for the fast and the generic runner, in bf16 and
 fp32, block sizes 2..16 (chains; trees and prompt lookup too on the fast runner), with a random
@@ -56,10 +57,13 @@ def main() -> None:
                     "torch": torch.__version__, "transformers": transformers.__version__, "checks": [], "speed": {}}
     failures = 0
     prompt = [5, 17, 42, 8, 9, 60, 3, 77]
+    # Answers' lengths (checked, timed): shorter on the CPU, where the script only tries its paths;
+    # whole blocks of 16, so that the oracle's every cycle is a full one.
+    n_check, n_timed = (64, 256) if device.type == "cuda" else (32, 64)
     for dtype in (torch.bfloat16, torch.float32):
         model = tiny_target("qwen3", vocab=512, layers=4, seed=0, dtype=dtype).to(device)
         for runner_name, runner in (("fast", FastTarget(model)), ("hf", HFTarget(model))):
-            ar = collect(stream(runner, None, prompt, GenerationConfig(max_new_tokens=64, block_size=1).validated(16)))
+            ar = collect(stream(runner, None, prompt, GenerationConfig(max_new_tokens=n_check, block_size=1).validated(16)))
             for drafter_device in dict.fromkeys((device, torch.device("cpu"))):  # same or different devices
                 base = tiny_drafter(model.to("cpu"), layers=1).to(drafter_device, dtype)
                 model.to(device)
@@ -68,7 +72,7 @@ def main() -> None:
                     # Trees and prompt lookup need the fast runner (HFTarget refuses them).
                     fast = runner_name == "fast"
                     for tree, lookup in ((False, False), (True, False), (False, True), (True, True))[: 4 if fast else 1]:
-                        cfg = GenerationConfig(max_new_tokens=64, block_size=block, tree=tree, lookup=lookup).validated(16)
+                        cfg = GenerationConfig(max_new_tokens=n_check, block_size=block, tree=tree, lookup=lookup).validated(16)
                         for name, drafter in (("random", base), ("oracle", oracle)):
                             out = collect(stream(runner, drafter, prompt, cfg))
                             ok = out.token_ids == ar.token_ids
@@ -79,14 +83,14 @@ def main() -> None:
         if dtype == torch.bfloat16:
             runner = FastTarget(model)
             timer = Timer(device)
-            ar = collect(stream(runner, None, prompt, GenerationConfig(max_new_tokens=256, block_size=1).validated(16)))
+            ar = collect(stream(runner, None, prompt, GenerationConfig(max_new_tokens=n_timed, block_size=1).validated(16)))
             oracle = OracleDrafter(tiny_drafter(model.to("cpu"), layers=1).to(device, dtype), prompt + ar.token_ids)
             model.to(device)
             for _ in range(2):  # warm-up
-                collect(stream(runner, oracle, prompt, GenerationConfig(max_new_tokens=256, block_size=16).validated(16)))
-            _, t_ar = timer(lambda: collect(stream(runner, None, prompt, GenerationConfig(max_new_tokens=256, block_size=1).validated(16))))
-            _, t_df = timer(lambda: collect(stream(runner, oracle, prompt, GenerationConfig(max_new_tokens=256, block_size=16).validated(16))))
-            report["speed"] = {"ar_tok_s": round(256 / t_ar, 1), "dflash_oracle_tok_s": round(256 / t_df, 1),
+                collect(stream(runner, oracle, prompt, GenerationConfig(max_new_tokens=n_timed, block_size=16).validated(16)))
+            _, t_ar = timer(lambda: collect(stream(runner, None, prompt, GenerationConfig(max_new_tokens=n_timed, block_size=1).validated(16))))
+            _, t_df = timer(lambda: collect(stream(runner, oracle, prompt, GenerationConfig(max_new_tokens=n_timed, block_size=16).validated(16))))
+            report["speed"] = {"ar_tok_s": round(n_timed / t_ar, 1), "dflash_oracle_tok_s": round(n_timed / t_df, 1),
                                "ratio": round(t_ar / t_df, 2)}
     failures += check_cuda_graphs(device, prompt, report)
     failures += check_hybrid_families(device, prompt, report)
@@ -191,6 +195,7 @@ def check_hybrid_families(device: torch.device, prompt: list[int], report: dict)
     from dflash_core.testing import OracleDrafter, SometimesRightDrafter, hybrid_drafter, tiny_target
 
     failures = 0
+    n_check = 48 if device.type == "cuda" else 32  # shorter on the CPU, where the script only tries its paths
     report["hybrid_bf16"] = []
     for family in ("qwen3_5", "qwen3_5_moe", "qwen3_next", "gpt_oss"):
         for dtype in (torch.float32, torch.bfloat16):
@@ -198,11 +203,11 @@ def check_hybrid_families(device: torch.device, prompt: list[int], report: dict)
             base = hybrid_drafter(model)
             model.to(device)
             runner = HFTarget(model)
-            ar = collect(stream(runner, None, prompt, GenerationConfig(max_new_tokens=48, block_size=1).validated(16)))
+            ar = collect(stream(runner, None, prompt, GenerationConfig(max_new_tokens=n_check, block_size=1).validated(16)))
             oracle = OracleDrafter(base, prompt + ar.token_ids).to(device, dtype)
             sometimes = SometimesRightDrafter(base, prompt + ar.token_ids).to(device, dtype)
             for block in (4, 16):
-                cfg = GenerationConfig(max_new_tokens=48, block_size=block).validated(16)
+                cfg = GenerationConfig(max_new_tokens=n_check, block_size=block).validated(16)
                 for name, drafter in (("random", base.to(device)), ("sometimes", sometimes), ("oracle", oracle)):
                     out = collect(stream(runner, drafter, prompt, cfg))
                     row = {"family": family, "dtype": str(dtype), "runner": "hf", "drafter": name,
