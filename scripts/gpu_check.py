@@ -57,8 +57,7 @@ def main() -> None:
                     "torch": torch.__version__, "transformers": transformers.__version__, "checks": [], "speed": {}}
     failures = 0
     prompt = [5, 17, 42, 8, 9, 60, 3, 77]
-    # Answers' lengths (checked, timed): shorter on the CPU, where the script only tries its paths;
-    # whole blocks of 16, so that the oracle's every cycle is a full one.
+    # Answers' lengths (checked, timed): shorter on the CPU, where the script only tries its paths.
     n_check, n_timed = (64, 256) if device.type == "cuda" else (32, 64)
     for dtype in (torch.bfloat16, torch.float32):
         model = tiny_target("qwen3", vocab=512, layers=4, seed=0, dtype=dtype).to(device)
