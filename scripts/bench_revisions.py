@@ -65,6 +65,9 @@ def main() -> int:
     if opts.from_runs:
         runs = {label: [json.loads(f.read_text()) for f in sorted(opts.out.glob(f"{label}-*/results.json"))]
                 for label in ("base", "head")}
+        if not runs["base"] or len(runs["base"]) != len(runs["head"]):
+            sys.exit(f"--from-runs: {opts.out} holds {len(runs['base'])} base and {len(runs['head'])} head runs "
+                     f"(base-N/results.json, head-N/results.json); it needs as many of each, at least one")
         return report(runs, opts, args)
     with tempfile.TemporaryDirectory() as tmp:
         base_tree = Path(tmp) / "base"
@@ -88,7 +91,7 @@ def main() -> int:
 def report(runs: dict[str, list[dict]], opts: argparse.Namespace, args: list[str]) -> int:
     """Print and write (``revisions.json``) what ``runs`` (per revision, each round's results) say."""
     methods = sorted(runs["head"][0]["summary"]["decode_tokens_per_s"])
-    summary = {"base": opts.base, "bench_args": args, "rounds": opts.rounds, "methods": {}}
+    summary = {"base": opts.base, "bench_args": args, "rounds": len(runs["head"]), "methods": {}}
     print(f"{'method':32} {'base tok/s':>11} {'head tok/s':>11} {'head/base':>9}  same outputs")
     for m in methods:
         speed = {label: statistics.median(r["summary"]["decode_tokens_per_s"][m] for r in rs) for label, rs in runs.items()}
