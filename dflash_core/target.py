@@ -30,7 +30,7 @@ Features: ``features[layer_id]`` is the residual stream after decoder layer ``la
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Callable, Protocol, Sequence
 
 import torch
@@ -42,32 +42,14 @@ from .kernels import padded_rows
 from . import cuda_graphs
 from .aoti_layers import CompiledHalf, CompiledLayer
 from .families import ADAPTERS, FusedLayer, fast_path_reason
-from .int8_dot import Int8DotWeight, Q8DotWeight, int8_dot_weight, q8_dot_weight
-from .int8_rows import Q8Q8DotWeight, instructions as int8_rows_instructions, q8q8_dot_weight
-from .kv_cache import KVCache, round_capacity
+from .kernel_choice import MIN_ROWS_CANDIDATES, choose_kernels
+from .kv_cache import KVCache
 from .rollback import CacheRollback
 from .tree import DraftTree
 from .tree_attention import TreeAttention
-from .weight_formats import DYNAMIC_MATRICES, WEIGHT_FORMATS, Int8Weight, QuantizedLinear, quantized_layers
+from .weight_formats import DYNAMIC_MATRICES, WEIGHT_FORMATS
 
 PREFILL_CHUNK = 512  # longest slice of a prompt FastTarget processes at once
-# Fewest rows per pass FastTarget tries (see FastTarget._probe_min_rows): with oneDNN's and
-# PyTorch's matrix kernels a lone row takes a matrix-vector path that rounds differently, so 2 is
-# the least; more padding costs a little more compute per autoregressive step.
-MIN_ROWS_CANDIDATES = (2, 4, 8, 16)
-# Weight formats whose matrices (and LM head) run on int8_rows' C++ tiles, which compute each row
-# alone whatever its company, with no matrix-vector path for a lone row: there one row is probed
-# first, and a pass with it saves an autoregressive step a padding row's products.
-LONE_ROW_FORMATS = ("w4a8",)
-# What the load probe decodes (FastTarget._probe_min_rows): a prompt in one pass, then the rest
-# in passes of every size up to a block of 16 (single tokens are autoregressive steps; blocks and
-# trees are verify passes), compared with the same positions decoded 16 at a time. The prompt's
-# pass is shared: greedy AR and DFlash run the same prefill, so only the passes after it must
-# agree (matrix kernels may take another path for a prompt's many rows: the AMX Xeon's oneDNN
-# bf16 kernels do above 32 rows, docs/BENCHMARKS.md).
-PROBE_PROMPT = 37
-PROBE_CHUNKS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 8)  # 144 = 9 blocks of 16
-PROBE_BLOCK = 16  # the widest pass the probe covers: the block size of every drafter we know
 
 
 class TargetOutput:
@@ -300,225 +282,21 @@ class FastTarget:
         self.cache = KVCache(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype, self.device)
         self.cos = self.sin = None  # rope_tables for the cache's capacity
         self._tree_attention = TreeAttention(self)
-        self.graphs: cuda_graphs.CudaGraphs | None = None  # set once the probes below have run (they run eager)
+        self.graphs: cuda_graphs.CudaGraphs | None = None  # set by choose_kernels after its probes (they run eager)
         # The GGUF's Q8_0 output matrix, for an int4 target's LM head as the file has it (weight_formats.q4_1_blocks)
         self._head_blocks = (q4_blocks or {}).get("lm_head")
         self._file_head_why: str | None = None  # why the head does not run those blocks, where it does not
-        # The format the layers' weights are read in (``weights``; see weight_formats.py), and why
-        # it is not the one asked for where the kernels do not allow it here.
+        # What runs on this machine, set by choose_kernels from probes, never assumed: the layers'
+        # weight format and kernels, each with a note saying why where it is not the one asked for;
+        # the fewest rows a pass runs with (see forward) and whether that makes every position's
+        # numbers independent of how many rows share its pass.
         self.weight_format, self.weight_note = "bf16", "bf16"
-        self.compiled_layers = False  # whether the layers run aoti_layers' whole-half kernels
-        bf16_layers = self.layers
-        asked, missing = weights, None
-        if weights == "w8a8" and kernels == "aoti" and self.device.type == "cpu":
-            # Compiled int8 x int8 products through a reference loop run several times slower than
-            # the int8 weight-only kernels (docs/BENCHMARKS-AMD.md): those run instead where
-            # inductor has a vector kernel for neither signed nor unsigned rows.
-            from .aoti_kernels import w8a8_rows
-
-            missing = w8a8_rows()[1]
-            weights = "int8" if missing else weights
-        if weights == "w4a8" and self.device.type == "cpu":
-            # int8 rows need AVX2 or AVX512-VNNI: elsewhere the file's codes run with bf16 rows (int4), or int8 below
-            from .int8_rows import refusal
-
-            why = refusal()
-            missing = f"w4a8's kernel cannot run: {why}" if why else None
-            weights = "int4" if missing else weights
-        if weights == "int4" and kernels == "aoti" and self.device.type == "cpu":
-            # PyTorch's own int4 kernel costs several 2-row passes for a 16-row one (docs/BENCHMARKS.md):
-            # where q4_dot cannot run, the compiled int8 layers run instead.
-            from .int8_dot import cannot_run
-
-            why = cannot_run()
-            if why:
-                missing = f"{missing + '; ' if missing else ''}q4_dot cannot run: {why}"
-            weights = "int8" if why else weights
-        if weights != "bf16":
-            if asked == "w8a8" and calibration_ids is None:
-                raise ValueError("weights = 'w8a8' needs calibration_ids: token ids of a text whose activation maxima "
-                                 "set the smoothing factors (loading passes weight_formats' calibration text)")
-            maxima = self.activation_maxima(calibration_ids) if weights == "w8a8" else None
-            layers, note = quantized_layers(self.layers, weights, self.dtype, q4_blocks, maxima)
-            if layers is None:
-                self.weight_note = f"asked for {weights}, running bf16: {note}"
-            else:
-                self.layers, self.weight_format, self.weight_note = layers, weights, note
-            if missing:
-                self.weight_note = f"asked for {asked}, running {weights} ({missing}): {self.weight_note}"
-        # The kernels the full-precision matrices run on (``kernels``; see aoti_kernels.py).
         self.kernels, self.kernel_note = "onednn", "oneDNN"
+        self.compiled_layers = False  # whether the layers run whole-layer C++ kernels (aoti_layers, q4_layers)
         self.attention = None  # aoti_attention's kernel, beside compiled layers; None: eager_attention
         self._fused_pass = None  # q4_layers.FusedPass: a w4a8 target's layers in one call per chain pass
-        onednn_layers, onednn_head = self.layers, self._lm_head
-        if kernels == "aoti":
-            self.kernels, self.kernel_note = self._use_aoti()
-        # Fewest rows a forward runs with (see forward), and whether that makes every position's
-        # numbers independent of how many rows share its pass: decided by a probe on this
-        # machine's kernels, never assumed (they differ between CPUs and dtypes).
-        self.min_rows, self.batch_invariant = self._probe_min_rows()
-        if self.kernels == "aoti" and not self.batch_invariant:
-            self.layers, self._lm_head, self.kernels = onednn_layers, onednn_head, "onednn"
-            self.compiled_layers, self.attention = False, None
-            self.kernel_note = ("asked for aoti, running oneDNN: with its kernels no padding made a position's "
-                                "logits independent of the size of its pass on this CPU")
-            self.min_rows, self.batch_invariant = self._probe_min_rows()
-        if self.weight_format != "bf16" and not self.batch_invariant:
-            ran = self.weight_format
-            self.layers, self.weight_format = bf16_layers, "bf16"
-            self.min_rows, self.batch_invariant = self._probe_min_rows()
-            self.weight_note = (f"asked for {asked}, running bf16: {f'{missing}; ' if missing else ''}with {ran} kernels "
-                                "no padding made a position's logits independent of the size of its pass on this CPU")
-        if self.compiled_layers and self.batch_invariant and self.weight_format == "w4a8":
-            from .q4_layers import fused_pass
-
-            self._fused_pass, fused_note = fused_pass(self)
-            self.kernel_note += f"; {fused_note}"
-        if cuda_graphs.wanted(self.device):
-            self.graphs = cuda_graphs.CudaGraphs(self)
-
-    def _use_aoti(self) -> tuple[str, str]:
-        """Every matrix (the layers' and the LM head) through inductor's C++ GEMM where its probe
-        allows (``aoti_kernels``): fp32 matrices as they are, the layers' int8 weight-only ones
-        (``weights = "int8"``) through its int8 GEMM; returns (kernels, note)."""
-        from . import aoti_attention, aoti_kernels, aoti_layers
-
-        if self.weight_format in ("int4", "w4a8") and self.device.type == "cpu":
-            return self._q4_layers()
-        if self.weight_format not in ("bf16", "int8", "w8a8"):
-            return "onednn", f"asked for aoti, running oneDNN: the layers run {self.weight_format} kernels (no C++ GEMM for them)"
-        if self.device.type != "cpu" or not aoti_kernels.available():
-            return "onednn", "asked for aoti, running oneDNN: AOTInductor needs a CPU target and a C++ compiler"
-        # Whole layers first (the element-wise work fused around the GEMMs); else matrix by matrix.
-        compiled, layers_note = aoti_layers.compiled_layers(self)
-        head_why = self._aoti_head(aoti_kernels)
-        head_note = f"the LM head {self._head_note(head_why)}"
-        if compiled is not None:
-            self.layers, self.compiled_layers = compiled, True
-            self.attention, attention_note = aoti_attention.compiled_attention(self)
-            if self.attention is None:
-                attention_note = f"attention eager ({attention_note})"
-            return "aoti", f"{layers_note}; {attention_note}; {head_note}"
-        refused: list[str] = []
-
-        def swap(linear):
-            if isinstance(linear, QuantizedLinear):
-                kernel, why = aoti_kernels.aoti_int8_linear(linear)
-            else:
-                kernel, why = aoti_kernels.aoti_linear(linear)
-            if why:
-                refused.append(why)
-            return kernel
-
-        self.layers = [replace(layer, qkv=swap(layer.qkv), o=swap(layer.o), gate_up=swap(layer.gate_up),
-                               down=swap(layer.down)) for layer in self.layers]
-        if head_why:
-            refused.append(head_why)
-        total = 4 * len(self.layers) + 1
-        if len(refused) == total:
-            return "onednn", f"asked for aoti, running oneDNN: {refused[0]}"
-        note = f"inductor C++ GEMM (AOTInductor) for {total - len(refused)} of {total} matrices"
-        if self.weight_format == "int8":
-            note += " (int8 weight-only, their rows in bf16)"
-        note += f"; layers not compiled whole: {layers_note}"
-        return "aoti", note + (f"; the others run their own kernels ({refused[0]})" if refused else "")
-
-    def _q4_layers(self) -> tuple[str, str]:
-        """A Q4_1 GGUF's layers on ``q4_dot`` with the work between the products fused into their
-        calls (``q4_layers``), attention and the LM head compiled where they run; returns (kernels, note)."""
-        from . import aoti_attention, aoti_kernels, q4_layers
-
-        layers, note = q4_layers.q4_layers(self)
-        head = f"the LM head {self._head_note(self._aoti_head(aoti_kernels))}"
-        if layers is None:
-            return "aoti", f"the int4 layers eager ({note}); {head}"
-        self.layers, self.compiled_layers = layers, True
-        self.attention, attention_note = aoti_attention.compiled_attention(self)
-        if self.attention is None:
-            attention_note = f"attention eager ({attention_note})"
-        return "aoti", f"{note}; {attention_note}; {head}"
-
-    def _file_head(self) -> str | None:
-        """The LM head on the GGUF's own Q8_0 blocks (``int8_dot.q8_dot_weight``; w4a8's with int8
-        rows, ``int8_rows.q8q8_dot_weight``) where they are the loaded head's weights and the kernel
-        runs here; else why not."""
-        blocks = self._head_blocks
-        if tuple(blocks.q.shape) != tuple(self._lm_head_weight.shape) or not torch.equal(
-                blocks.dequantize().to(self._lm_head_weight.dtype), self._lm_head_weight):
-            return "the GGUF's Q8_0 output blocks are not the loaded head's weights"
-        head, why = q8q8_dot_weight(blocks) if self.weight_format == "w4a8" else q8_dot_weight(blocks)
-        if head is not None:
-            self._lm_head = QuantizedLinear(head)
-        return why
-
-    def _head_note(self, why: str | None) -> str:
-        if why:
-            return f"on oneDNN ({why})"
-        kernel = getattr(self._lm_head, "kernel", None)
-        if isinstance(kernel, Q8DotWeight):
-            return "the GGUF's Q8_0 blocks through bf16 dot products"
-        if isinstance(kernel, Q8Q8DotWeight):
-            return f"the GGUF's Q8_0 blocks with int8 rows ({int8_rows_instructions()})"
-        note = ("int8 through bf16 dot products" if isinstance(kernel, Int8DotWeight)
-                else "int8 through the int8 GEMM" if self.weight_format != "bf16" else "through the C++ GEMM")
-        return note + (f" (not the GGUF's Q8_0 blocks: {self._file_head_why})" if self._file_head_why else "")
-
-    def _aoti_head(self, aoti_kernels) -> str | None:
-        """The LM head through the C++ GEMM (the int8 one where the layers run int8: the head's
-        113 MB in fp32 was then a step's largest read); why not, where it stays as it was."""
-        if self.weight_format in ("int4", "w4a8") and self._head_blocks is not None:
-            self._file_head_why = self._file_head()
-            if self._file_head_why is None:
-                return None
-        if self.weight_format in ("int8", "w8a8", "int4", "w4a8"):
-            int8 = QuantizedLinear(Int8Weight(self._lm_head_weight, self.dtype))
-            dot, _ = int8_dot_weight(int8.kernel)  # where it does not run, inductor's int8 GEMM
-            head, why = (QuantizedLinear(dot), None) if dot else aoti_kernels.aoti_int8_linear(int8)
-        else:
-            head, why = aoti_kernels.aoti_linear(self._lm_head)
-        if why is None:
-            self._lm_head = head
-        return why
-
-    def _probe_min_rows(self) -> tuple[int, bool]:
-        """The fewest rows per pass (1 first for the ``LONE_ROW_FORMATS``, then
-        ``MIN_ROWS_CANDIDATES``) with which, after a prompt's pass, decoding in passes of every
-        size in ``PROBE_CHUNKS`` gives, bit for bit, the logits of decoding the same positions
-        ``PROBE_BLOCK`` at a time; ``(MIN_ROWS_CANDIDATES[0], False)`` when none does.
-
-        Matrix kernels choose their code path (GEMV, register blocking, K split) from the number
-        of rows, and which row counts share a path differs between CPUs (AMD / Intel, AVX2 /
-        AVX-512 / AMX) and dtypes. Padding small passes to ``min_rows`` keeps them on the path
-        the larger passes take; the probe finds the padding that does so here. Every decode pass
-        of the engine (an autoregressive step, a verify block, a tree of up to ``PROBE_BLOCK``
-        nodes) is one of these sizes; the prompt's pass is the same in AR and DFlash."""
-        chunks = list(PROBE_CHUNKS)
-        while PROBE_PROMPT + sum(chunks) > self.max_positions and len(chunks) > 1:  # a short context
-            chunks.pop()
-        prompt = max(1, min(PROBE_PROMPT, self.max_positions - sum(chunks)))
-        decoded = sum(chunks)
-        blocks = [PROBE_BLOCK] * (decoded // PROBE_BLOCK) + ([decoded % PROBE_BLOCK] if decoded % PROBE_BLOCK else [])
-        generator = torch.Generator().manual_seed(0)
-        ids = torch.randint(0, self.vocab_size, (prompt + decoded,), generator=generator).to(self.device)
-        capacity = round_capacity(prompt + decoded)
-
-        def decode(sizes: list[int]) -> torch.Tensor:
-            self.reset(capacity)
-            self.forward(ids[:prompt], None, last_only=True)
-            pieces, start = [], prompt
-            for size in sizes:
-                pieces.append(self.forward(ids[start : start + size], None).logits)
-                start += size
-            return torch.cat(pieces)
-
-        lone = (1,) if self.weight_format in LONE_ROW_FORMATS else ()
-        for min_rows in lone + MIN_ROWS_CANDIDATES:
-            self.min_rows = min_rows
-            if torch.equal(decode(chunks), decode(blocks)):
-                self.reset(capacity)
-                return min_rows, True
-        self.reset(capacity)
-        return MIN_ROWS_CANDIDATES[0], False
+        self.min_rows, self.batch_invariant = MIN_ROWS_CANDIDATES[0], False
+        choose_kernels(self, weights, kernels, q4_blocks, calibration_ids)
 
     @property
     def length(self) -> int:
@@ -570,8 +348,6 @@ class FastTarget:
         """Per layer, the largest |value| of each input channel of ``DYNAMIC_MATRICES`` over the
         sequence ``ids`` (run from position 0 by the layers as they are): what ``w8a8``'s
         smoothing factors are computed from."""
-        from dataclasses import replace
-
         maxima: list[dict[str, torch.Tensor]] = [{} for _ in self.layers]
 
         def recording(i: int, name: str, linear):

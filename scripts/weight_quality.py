@@ -33,7 +33,7 @@ from dflash_core.loading import gguf_q4_blocks, load_target
 from dflash_core.registry import load_registry
 from dflash_core.target import FastTarget
 from dflash_core import target as target_module
-from dflash_core import weight_formats
+from dflash_core import kernel_choice, weight_formats
 from dflash_core.weight_formats import calibration_ids
 
 SHARDS = Path(__file__).resolve().parents[1] / "assets" / "data" / "smollm2-answers"
@@ -135,7 +135,7 @@ def main() -> None:
         blocks = gguf_q4_blocks(loaded.source, model, fmt)
         runner = FastTarget(model, fmt, q4_blocks=blocks, calibration_ids=calibration)
         if blocks and "lm_head" in blocks and fmt in ("int4", "w4a8"):
-            runner._file_head()
+            kernel_choice.file_head(runner)
         results[fmt] = {**compare(reference, logits_of(runner, seqs)), "runs": runner.weight_note}
         print(fmt, results[fmt], flush=True)
     engine_alpha = weight_formats.SMOOTHING_ALPHA

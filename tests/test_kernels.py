@@ -157,7 +157,8 @@ class _RoundsByWhereThePassStarts:
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_the_load_probe_pads_small_passes_until_they_round_like_blocks(family):
-    from dflash_core.target import MIN_ROWS_CANDIDATES, FastTarget
+    from dflash_core.kernel_choice import MIN_ROWS_CANDIDATES
+    from dflash_core.target import FastTarget
 
     model = tiny_target(family, dtype=torch.bfloat16)
     if not FastTarget(model).batch_invariant:
