@@ -22,7 +22,8 @@ from typing import Any, Callable
 
 import torch
 
-from .drafter import DFlashDrafter, DrafterConfig, init_drafter_weights
+from .drafter import DFlashDrafter, init_drafter_weights
+from .drafter_config import DrafterConfig
 from .errors import DeviceUnavailableError, ModelLoadError
 from .registry import ModelPair, ModelSource
 from .target import TargetRunner, make_runner

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dflash_core.drafter import DFlashDrafter, DrafterConfig, init_drafter_weights
+from dflash_core.drafter import DFlashDrafter, init_drafter_weights
+from dflash_core.drafter_config import DrafterConfig
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from dflash_core.drafter import DrafterConfig
+from dflash_core.drafter_config import DrafterConfig
 from dflash_core.loading import load_target
 from dflash_core.registry import load_registry
 from dflash_core.training.features import build_feature_cache

@@ -7,7 +7,8 @@ import json
 import pytest
 import torch
 
-from dflash_core.drafter import DFlashDrafter, default_target_layer_ids
+from dflash_core.drafter import DFlashDrafter
+from dflash_core.drafter_config import default_target_layer_ids
 from dflash_core.errors import DrafterMismatchError, ModelLoadError
 from dflash_core.testing import tiny_drafter, tiny_target
 

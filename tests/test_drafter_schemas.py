@@ -30,7 +30,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dflash_core import cli
-from dflash_core.drafter import DFlashDrafter, LayerAttention
+from dflash_core.drafter import DFlashDrafter
+from dflash_core.drafter_config import LayerAttention
 from dflash_core.errors import ModelLoadError
 from dflash_core.speculative import GenerationConfig, collect, stream
 from dflash_core.target import FastTarget, HFTarget
@@ -367,7 +368,8 @@ def test_yarn_rope_matches_transformers_own_dflash_assistant(tmp_path):
 @pytest.mark.parametrize("schema", ["sliding", "causal-flag", "non-causal-sliding"])
 def test_the_training_layout_applies_the_same_windows_and_causality(schema):
     """The block-wise training attention equals the dense mask for sliding and causal layers."""
-    from dflash_core.drafter import BlockLayout, DrafterConfig
+    from dflash_core.drafter import BlockLayout
+    from dflash_core.drafter_config import DrafterConfig
     from dflash_core.training.objective import make_batch
 
     drafter = DFlashDrafter(DrafterConfig.from_dict(schema_config(schema)))

@@ -9,7 +9,8 @@ import torch
 
 from dflash_core import cli
 from dflash_core.bench.hf_dflash import hf_dflash_generate
-from dflash_core.drafter import DFlashDrafter, DrafterConfig, init_drafter_weights
+from dflash_core.drafter import DFlashDrafter, init_drafter_weights
+from dflash_core.drafter_config import DrafterConfig
 from dflash_core.errors import ModelLoadError
 from dflash_core.hf_export import to_hf_assistant
 from dflash_core.speculative import GenerationConfig, collect, stream

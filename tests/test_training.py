@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_core.drafter import DFlashDrafter, DrafterConfig
+from dflash_core.drafter import DFlashDrafter
+from dflash_core.drafter_config import DrafterConfig
 from dflash_core.speculative import GenerationConfig, collect, stream
 from dflash_core.target import FastTarget
 from dflash_core.testing import tiny_target

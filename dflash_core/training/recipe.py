@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .. import console
-from ..drafter import DrafterConfig
+from ..drafter_config import DrafterConfig
 from ..loading import LoadedTarget, choose_mask_token_id
 from ..hardware import hardware_summary
 from .errors import TrainingError

@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from ..drafter import BlockLayout, DFlashDrafter, DrafterConfig, init_drafter_weights
+from ..drafter import BlockLayout, DFlashDrafter, init_drafter_weights
+from ..drafter_config import DrafterConfig
 from ..loading import resolve_dtype, torch_dtype
 from .errors import TrainingError
 from .features import FeatureStore
