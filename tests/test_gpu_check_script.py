@@ -60,3 +60,21 @@ def test_the_gpu_check_says_what_to_do_without_a_gpu(tmp_path):
     assert done.returncode != 0
     assert "no CUDA device" in done.stderr and "--device cpu" in done.stderr
     assert not (tmp_path / "report.json").exists()
+
+
+def test_the_gpu_check_stopped_by_sigint_still_reports_what_it_checked(tmp_path):
+    """A lent machine's call has a hard end: `timeout -s INT` stops the script, which writes the
+    checks that ran, says it was stopped, and exits 1 (not every check ran)."""
+    import signal
+    import time
+
+    out = tmp_path / "report.json"
+    process = subprocess.Popen([sys.executable, str(SCRIPT), "--device", "cpu", "--out", str(out)], cwd=tmp_path,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(20)  # past the imports, inside the checks (the whole run takes ~45 s here)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 1, stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert "stopped" in report
+    assert report["failures"] == sum(not c["lossless"] for c in report["checks"]) == 0
