@@ -83,37 +83,23 @@ def copy_package(dist_name: str, site: Path) -> None:
 def cut(source: Path, folder: Path, room: int, last_extra: int) -> list[Path]:
     """``source`` cut in order into ``folder/pNN/part`` files, each at most ``room`` bytes, the
     last at most ``room - last_extra`` (its call carries the packages too)."""
-    size = source.stat().st_size
+    if room - last_extra <= 0:
+        raise SystemExit(f"{room / MIB:.1f} MiB are left beside the working tree, too little for a part and the "
+                         "packages: ignore or remove untracked files, or raise --limit-mib")
     sizes: list[int] = []
-    left = size
+    left = source.stat().st_size
     while left > room - last_extra:
-        sizes.append(min(room, left - 1))  # a first part never takes everything: the last stays non-empty
+        sizes.append(min(room, left - 1))  # a part before the last never takes everything: the last stays non-empty
         left -= sizes[-1]
     sizes.append(left)
-    if any(s <= 0 for s in sizes):
-        raise SystemExit("nothing fits beside the working tree: ignore or remove untracked files, or raise --limit-mib")
     parts = []
     with source.open("rb") as f:
         for i, n in enumerate(sizes):
             part = folder / f"p{i:02d}" / "part"
             part.parent.mkdir(parents=True, exist_ok=True)
-            with part.open("wb") as out:
-                shutil.copyfileobj(_limited(f, n), out)
+            part.write_bytes(f.read(n))  # parts of tens of MB: read whole
             parts.append(part)
     return parts
-
-
-def _limited(f, n: int):  # noqa: ANN001, ANN202 - a file-like reading n bytes of f
-    class Reader:
-        left = n
-
-        def read(self, size: int = -1) -> bytes:
-            size = self.left if size < 0 else min(size, self.left)
-            data = f.read(size)
-            self.left -= len(data)
-            return data
-
-    return Reader()
 
 
 def last_command(folder: str, last: str, target: Path, train_minutes: float, call_seconds: int) -> str:

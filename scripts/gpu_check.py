@@ -52,6 +52,7 @@ def main() -> None:
 
     report: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                     "torch": torch.__version__, "transformers": transformers.__version__, "checks": [], "speed": {}}
+    print(f"gpu_check: checking on {report['device']}", file=sys.stderr, flush=True)
     try:
         failures = run_checks(device, report)
     except KeyboardInterrupt:  # `timeout -s INT N`, or Ctrl-C: what was checked is still reported

@@ -93,3 +93,15 @@ def test_the_target_is_cut_into_calls_that_fit_and_the_last_one_joins_and_runs_i
                          timeout=120)
     assert ran.returncode == 3 and "FAILED" in ran.stdout + ran.stderr
     assert not (out / "train.json").exists()
+
+
+def test_a_tree_that_leaves_no_room_is_refused_with_what_to_do(tmp_path):
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "big.bin").write_bytes(os.urandom(2_000_000))
+    git(repo, "init", "-q")
+    target = tmp_path / "target.gguf"
+    target.write_bytes(os.urandom(100_000))
+    done = subprocess.run([sys.executable, str(SCRIPT), "--root", str(repo), "--gguf", str(target), "--limit-mib", "2"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and "too little" in done.stderr and "untracked" in done.stderr

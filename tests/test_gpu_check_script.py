@@ -71,7 +71,9 @@ def test_the_gpu_check_stopped_by_sigint_still_reports_what_it_checked(tmp_path)
     out = tmp_path / "report.json"
     process = subprocess.Popen([sys.executable, str(SCRIPT), "--device", "cpu", "--out", str(out)], cwd=tmp_path,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(20)  # past the imports, inside the checks (the whole run takes ~45 s here)
+    while "gpu_check: checking on cpu" not in process.stderr.readline():  # past the imports
+        assert process.poll() is None, "the script ended before its checks began"
+    time.sleep(3)  # inside the checks (the whole run takes ~45 s here)
     process.send_signal(signal.SIGINT)
     _, stderr = process.communicate(timeout=120)
     assert process.returncode == 1, stderr[-3000:]
