@@ -292,6 +292,19 @@ def test_a_finished_fit_resumed_on_a_longer_schedule_goes_on_where_it_stopped(ti
     assert [second._sequences_for_step(k) for k in range(6, 12)] == [first._sequences_for_step(k) for k in range(6, 12)]
 
 
+def test_a_fit_out_of_time_before_its_pace_is_measured_ends_at_its_budget(tiny_setup, tmp_path):
+    # scripts/gpu_train.py gives the fit what the earlier stages left: where that is spent before
+    # the first re-plan (after 10 steps), the fit ends there, its last step evaluated and kept.
+    trainer = make_trainer(tiny_setup, tmp_path, steps=40)
+    result = trainer.run(progress=False, time_budget_s=0.0)
+    assert result["steps"] == trainer.step == 1 and trainer.checkpoint_path.is_file()
+    last = json.loads(trainer.log_file.read_text().splitlines()[-1])
+    assert last["step"] == 1 and "valid_tau_proxy" in last
+    # Within its budget, the run takes its steps as planned.
+    planned = make_trainer(tiny_setup, tmp_path / "planned", steps=6)
+    assert planned.run(progress=False, time_budget_s=3600.0)["steps"] == 6
+
+
 def test_training_is_deterministic_given_a_seed(tiny_setup, tmp_path):
     one = make_trainer(tiny_setup, tmp_path / "one", steps=6)
     two = make_trainer(tiny_setup, tmp_path / "two", steps=6)
