@@ -54,11 +54,10 @@ def main() -> None:
                     "torch": torch.__version__, "transformers": transformers.__version__, "checks": [], "speed": {}}
     print(f"gpu_check: checking on {report['device']}", file=sys.stderr, flush=True)
     try:
-        failures = run_checks(device, report)
+        run_checks(device, report)
     except KeyboardInterrupt:  # `timeout -s INT N`, or Ctrl-C: what was checked is still reported
         report["stopped"] = "interrupted (SIGINT) before the end: only the checks listed ran"
-        failures = failures_in(report)
-    report["failures"] = failures
+    report["failures"] = failures = failures_in(report)
     report["seconds"] = round(time.time() - started, 1)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
@@ -67,20 +66,19 @@ def main() -> None:
 
 
 def failures_in(report: dict) -> int:
-    """The failed checks a report lists (the fp32 ones of the hybrid families included, their
-    bf16 ones only reported), as run_checks counts them."""
+    """The failed checks a report lists: every row of ``checks`` (the hybrid families' fp32 ones
+    among them; their bf16 ones, in ``hybrid_bf16``, are only reported) and of CUDA graphs'."""
     graphs = report.get("cuda_graphs", {}).get("checks", [])
     return sum(not row["lossless"] for row in report["checks"]) + sum(not row["ok"] for row in graphs)
 
 
-def run_checks(device: torch.device, report: dict) -> int:
-    """Every check, its rows added to ``report`` as they run; returns the number that failed."""
+def run_checks(device: torch.device, report: dict) -> None:
+    """Every check, its rows added to ``report`` as they run."""
     from dflash_core.bench.runner import Timer
     from dflash_core.speculative import GenerationConfig, collect, stream
     from dflash_core.target import FastTarget, HFTarget
     from dflash_core.testing import OracleDrafter, tiny_drafter, tiny_target
 
-    failures = 0
     prompt = [5, 17, 42, 8, 9, 60, 3, 77]
     # Answers' lengths (checked, timed): shorter on the CPU, where the script only tries its paths.
     n_check, n_timed = (64, 256) if device.type == "cuda" else (32, 64)
@@ -100,7 +98,6 @@ def run_checks(device: torch.device, report: dict) -> int:
                         for name, drafter in (("random", base), ("oracle", oracle)):
                             out = collect(stream(runner, drafter, prompt, cfg))
                             ok = out.token_ids == ar.token_ids
-                            failures += not ok
                             report["checks"].append({"dtype": str(dtype), "runner": runner_name, "drafter": name,
                                                      "drafter_device": str(drafter_device), "block": block, "tree": tree, "lookup": lookup,
                                                      "lossless": ok, "tau": round(out.tau, 3)})
@@ -116,8 +113,8 @@ def run_checks(device: torch.device, report: dict) -> int:
             _, t_df = timer(lambda: collect(stream(runner, oracle, prompt, GenerationConfig(max_new_tokens=n_timed, block_size=16).validated(16))))
             report["speed"] = {"ar_tok_s": round(n_timed / t_ar, 1), "dflash_oracle_tok_s": round(n_timed / t_df, 1),
                                "ratio": round(t_ar / t_df, 2)}
-    failures += check_cuda_graphs(device, prompt, report)
-    failures += check_hybrid_families(device, prompt, report)
+    check_cuda_graphs(device, prompt, report)
+    check_hybrid_families(device, prompt, report)
     try:
         import bitsandbytes  # noqa: F401
         from transformers import AutoModelForCausalLM, BitsAndBytesConfig
@@ -131,14 +128,12 @@ def run_checks(device: torch.device, report: dict) -> int:
         drafter = tiny_drafter(q, layers=1).to(device, torch.bfloat16)
         out = collect(stream(runner, drafter, prompt, GenerationConfig(max_new_tokens=48, block_size=8).validated(16)))
         ok = out.token_ids == ar.token_ids
-        failures += not ok
         report["checks"].append({"dtype": "nf4", "runner": "hf", "drafter": "random", "block": 8, "lossless": ok})
     except ImportError:
         report["bitsandbytes"] = "not installed: 4-bit check skipped"
-    return failures
 
 
-def check_cuda_graphs(device: torch.device, prompt: list[int], report: dict) -> int:
+def check_cuda_graphs(device: torch.device, prompt: list[int], report: dict) -> None:
     """FastTarget's CUDA graphs (``dflash_core/cuda_graphs.py``, on by default on CUDA) against the
     same runner eager: equal logits and tokens, DFlash == AR through graphs, and AR / DFlash with
     the oracle drafter timed both ways. On the CPU the graphs' stand-in (``eager_capture``) runs
@@ -149,7 +144,6 @@ def check_cuda_graphs(device: torch.device, prompt: list[int], report: dict) -> 
     from dflash_core.target import FastTarget
     from dflash_core.testing import OracleDrafter, tiny_drafter, tiny_target
 
-    failures = 0
     # Answers long enough to replay each graph many times; shorter on the CPU, where it only tries the path.
     n_check, n_timed = (96, 256) if device.type == "cuda" else (32, 24)
     report["cuda_graphs"] = graphs_report = {"checks": [], "speed": {}}
@@ -178,7 +172,6 @@ def check_cuda_graphs(device: torch.device, prompt: list[int], report: dict) -> 
         lossless = all(greedy(graphed, drafter, size).token_ids == ar_graphed.token_ids
                        for drafter in (base, oracle) for size in (4, 16))
         ok = same_logits and ar_graphed.token_ids == ar_eager.token_ids and lossless
-        failures += not ok
         g = graphed.graphs
         graphs_report["checks"].append({
             "dtype": str(dtype), "same_logits_as_eager": same_logits, "ar_same_as_eager": ar_graphed.token_ids == ar_eager.token_ids,
@@ -201,19 +194,17 @@ def check_cuda_graphs(device: torch.device, prompt: list[int], report: dict) -> 
             speed["graphs_vs_eager_dflash"] = round(
                 speed["graphs"]["dflash_oracle_tok_s"] / speed["eager"]["dflash_oracle_tok_s"], 2)
             graphs_report["speed"] = speed
-    return failures
 
 
-def check_hybrid_families(device: torch.device, prompt: list[int], report: dict) -> int:
+def check_hybrid_families(device: torch.device, prompt: list[int], report: dict) -> None:
     """Greedy DFlash == greedy AR on the generic runner for the hybrid and sliding-window
     families, with a random drafter (nearly every draft rejected: a rollback every cycle), one
-    right except at every fifth position (rollbacks partway through blocks) and an oracle;
-    returns the number of fp32 failures."""
+    right except at every fifth position (rollbacks partway through blocks) and an oracle; the
+    fp32 rows count as checks, the bf16 ones are reported (``hybrid_bf16``)."""
     from dflash_core.speculative import GenerationConfig, collect, stream
     from dflash_core.target import HFTarget
     from dflash_core.testing import OracleDrafter, SometimesRightDrafter, hybrid_drafter, tiny_target
 
-    failures = 0
     n_check = 48 if device.type == "cuda" else 32  # shorter on the CPU, where the script only tries its paths
     report["hybrid_bf16"] = []
     for family in ("qwen3_5", "qwen3_5_moe", "qwen3_next", "gpt_oss"):
@@ -233,11 +224,9 @@ def check_hybrid_families(device: torch.device, prompt: list[int], report: dict)
                            "drafter_device": str(device), "block": block, "tree": False, "lookup": False,
                            "lossless": out.token_ids == ar.token_ids, "tau": round(out.tau, 3)}
                     if dtype == torch.float32:
-                        failures += not row["lossless"]
                         report["checks"].append(row)
                     else:
                         report["hybrid_bf16"].append(row)
-    return failures
 
 
 if __name__ == "__main__":

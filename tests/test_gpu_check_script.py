@@ -80,3 +80,17 @@ def test_the_gpu_check_stopped_by_sigint_still_reports_what_it_checked(tmp_path)
     report = json.loads(out.read_text())
     assert "stopped" in report
     assert report["failures"] == sum(not c["lossless"] for c in report["checks"]) == 0
+
+
+def test_the_failures_are_counted_from_the_report_rows():
+    """The exit status and ``failures`` come from the rows the report lists, so a stopped run
+    counts what it checked: the checks and CUDA graphs' rows, not the hybrids' bf16 ones."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    report = {"checks": [{"lossless": True}, {"lossless": False}], "hybrid_bf16": [{"lossless": False}],
+              "cuda_graphs": {"checks": [{"ok": False}, {"ok": True}]}}
+    assert gpu_check.failures_in(report) == 2
+    assert gpu_check.failures_in({"checks": []}) == 0
