@@ -3,8 +3,9 @@
     python3 scripts/gpu_train.py --target /tmp/t/SmolLM2-135M-Instruct.Q4_1.gguf --out "$OUT" --pack-mb 15
 
 Made for one call on a lent GPU machine (at most 9 minutes of wall clock, ``--minutes``): the
-stages share the budget by the clock (generate ``--gen-share`` of it, features, then a fit whose
-step count is re-planned from its measured pace to end in time, export, and a quick tau). The fit
+stages share the budget by the clock (generate ``--gen-share`` of it, features at most half of
+what is left, then a fit whose step count is re-planned from its measured pace to end in time,
+export, and a quick tau). The fit
 takes every k-th shard of the committed and new data, so that their features fit the machine's
 disk (``--fit-tokens``: 4 M tokens with their prompts by default, ~28 GB of features). It
 needs torch, transformers, accelerate, numpy, safetensors and tqdm (a lent machine's own python3
@@ -181,11 +182,14 @@ def main(argv: list[str] | None = None) -> int:
     fit_shards = select_shards(available, options.shard_select)
     _say(f"fitting on shards {options.shard_select} ({len(fit_shards)} shards, "
          f"{sum(s['answer_tokens'] + s['prompt_tokens'] for s in fit_shards)} tokens with their prompts)")
+    # At most half of what is left (less a reserve for the export and the quick tau) goes to the
+    # features, so that a slow disk or a big --fit-tokens leaves the fit time: the fit then runs
+    # on the parts built.
+    reserve = 20.0 if args.tiny else 75.0
+    options.features_time_budget_s = max(10.0, 0.5 * (deadline - time.time() - reserve))
     t0 = time.time()
     run_recipe(target, options, ["features"])
     stage_s["features"] = round(time.time() - t0, 1)
-    # What is left, less a reserve for the export and the quick tau.
-    reserve = 20.0 if args.tiny else 75.0
     options.fit_time_budget_s = max(5.0, deadline - time.time() - reserve)
     t0 = time.time()
     result = run_recipe(target, options, ["fit", "export"])

@@ -208,6 +208,20 @@ def test_an_interrupted_feature_build_keeps_its_finished_parts(tiny_setup, tmp_p
     assert sum(p["tokens"] for p in resumed.parts) == resumed.num_tokens
 
 
+def test_a_feature_build_out_of_time_keeps_the_parts_it_built_and_a_later_one_adds_the_rest(tiny_setup, tmp_path,
+                                                                                             monkeypatch):
+    # scripts/gpu_train.py gives the features at most half of what is left, so that the fit has time.
+    model, runner, full, _ = tiny_setup
+    samples = _samples_of(full)
+    part = full.num_tokens // 8  # about eight parts
+    first = build_feature_cache(runner, samples, [1, 3], tmp_path, part_tokens=part, deadline=0.0)
+    assert len(first.parts) == 1 and 0 < len(first) < len(samples)  # one part, then out of time
+    calls = _counting(runner, monkeypatch)
+    rest = build_feature_cache(runner, samples, [1, 3], tmp_path, part_tokens=part)
+    assert len(calls) == len(samples) - len(first)
+    _same_cache(rest, full)
+
+
 def test_a_cache_from_before_parts_is_read_and_extended(tiny_setup, tmp_path, monkeypatch):
     model, runner, full, _ = tiny_setup
     samples = _samples_of(full)

@@ -221,8 +221,12 @@ def build_feature_cache(
     responses_dir: str | Path | None = None,
     part_tokens: int = PART_TOKENS,
     stack_tokens: int = STACK_TOKENS,
+    deadline: float | None = None,
 ) -> FeatureStore:
     """Run the target over every sample once and write the cache.
+
+    With ``deadline`` (a ``time.time()``), no part is begun after it once one part is built: the
+    cache holds the samples of the parts built, and a later build without it adds the rest.
 
     Samples whose features the generate stage already kept (for the same layers, in
     ``responses_dir``) are copied instead: the target runs only for the others.
@@ -251,7 +255,13 @@ def build_feature_cache(
     stored = _StoredFeatures(Path(responses_dir) if responses_dir is not None else None, layer_ids, width)
     with tqdm(total=sum(lengths), unit="tok", desc="target features", file=sys.stderr, dynamic_ncols=True,
               mininterval=5.0) as bar:
+        built = 0
         for first, end in _chunks(lengths, part_tokens):
+            if deadline is not None and built and time.time() >= deadline:
+                print(f"features: out of time after {sum(lengths[:first])} of {sum(lengths)} tokens; a build without "
+                      "a deadline adds the rest", file=sys.stderr, flush=True)
+                break
+            built += 1
             files = _part_files(len(parts))  # a stale part of that number (never listed) is overwritten
             started = time.time()
             total = sum(lengths[first:end])

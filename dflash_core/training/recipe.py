@@ -55,6 +55,7 @@ class RecipeOptions:
     shard_select: str | None = None
     gen_shard_prompts: int = 256
     fit_time_budget_s: float | None = None  # re-plan the step count so the fit ends within this
+    features_time_budget_s: float | None = None  # begin no part of the feature cache after this, once one is built
     command: str = ""
     settings: TrainSettings = field(default_factory=TrainSettings)
 
@@ -159,7 +160,9 @@ def run_recipe(target: LoadedTarget, options: RecipeOptions, stages: list[str]) 
                 where = kept = work / "responses"
             if not samples:
                 raise TrainingError(f"no answers in {where}: run the generate stage (or `make gen-data`) first")
-            store = build_feature_cache(target.runner, samples, layers, work / "features", responses_dir=kept)
+            budget = options.features_time_budget_s
+            store = build_feature_cache(target.runner, samples, layers, work / "features", responses_dir=kept,
+                                        deadline=None if budget is None else time.time() + budget)
             console.log(f"features: {len(store)} sequences, {store.num_tokens} tokens, layers {store.layer_ids}")
             stats: dict[str, Any] = {"sequences": len(store), "tokens": store.num_tokens}
             if store.build_seconds is not None:  # the parts' own times: runs that were killed count too
