@@ -47,7 +47,7 @@ def travelling_bytes(root: Path) -> int:
     files = {root / name.decode() for name in listed if name}
     shared = root / "shared"
     if shared.is_dir():
-        files |= {path for path in shared.rglob("*")}
+        files |= set(shared.rglob("*"))
     return sum(path.stat().st_size for path in files if path.is_file() and not path.is_symlink())
 
 
@@ -88,8 +88,8 @@ def cut(source: Path, folder: Path, room: int, last_extra: int) -> list[Path]:
                          "packages: ignore or remove untracked files, or raise --limit-mib")
     sizes: list[int] = []
     left = source.stat().st_size
-    while left > room - last_extra:
-        sizes.append(min(room, left - 1))  # a part before the last never takes everything: the last stays non-empty
+    while left > room - last_extra:  # full parts until the rest fits beside the packages
+        sizes.append(min(room, left))
         left -= sizes[-1]
     sizes.append(left)
     parts = []
@@ -105,12 +105,14 @@ def cut(source: Path, folder: Path, room: int, last_extra: int) -> list[Path]:
 def last_command(folder: str, last: str, target: Path, train_minutes: float, call_seconds: int) -> str:
     """The last call's command, run in the repository's root on the machine; ``target``: where
     the joined GGUF goes there."""
-    site, sums, gguf = f"{folder}/{last}/site", f"{folder}/{last}/SHA256SUMS", target
-    train_limit = int(train_minutes * 60 + 120)  # its budget, plus its export and quick tau, which run after it
+    site, sums = f"{folder}/{last}/site", f"{folder}/{last}/SHA256SUMS"
+    # gpu_train.py's budget includes its export and quick tau; the slack is for its last prompt
+    # and packing, which may run past it.
+    train_limit = int(train_minutes * 60 + 120)
     return (
         f"start=$(date +%s); export PYTHONPATH=$PWD/{site} PYTHONUNBUFFERED=1; mkdir -p {target.parent} && "
-        f"cat {folder}/p*/part > {gguf} && sha256sum -c {sums} || exit 3; "
-        f"timeout {train_limit} python3 scripts/gpu_train.py --target {gguf} --out $OUT --minutes {train_minutes:g} "
+        f"cat {folder}/p*/part > {target} && sha256sum -c {sums} || exit 3; "
+        f"timeout {train_limit} python3 scripts/gpu_train.py --target {target} --out $OUT --minutes {train_minutes:g} "
         f"--pack-mb 15 2>&1 | tee $OUT/gpu_train.log; "
         f"left=$(( {call_seconds - 15} - $(date +%s) + start )); echo \"gpu_check: ${{left}} s left\"; "
         f"[ $left -gt 30 ] && timeout -s INT $left python3 scripts/gpu_check.py --out $OUT/gpu_check.json"

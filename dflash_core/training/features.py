@@ -255,13 +255,11 @@ def build_feature_cache(
     stored = _StoredFeatures(Path(responses_dir) if responses_dir is not None else None, layer_ids, width)
     with tqdm(total=sum(lengths), unit="tok", desc="target features", file=sys.stderr, dynamic_ncols=True,
               mininterval=5.0) as bar:
-        built = 0
         for first, end in _chunks(lengths, part_tokens):
-            if deadline is not None and built and time.time() >= deadline:
+            if deadline is not None and first > 0 and time.time() >= deadline:  # the first part is always built
                 print(f"features: out of time after {sum(lengths[:first])} of {sum(lengths)} tokens; a build without "
                       "a deadline adds the rest", file=sys.stderr, flush=True)
                 break
-            built += 1
             files = _part_files(len(parts))  # a stale part of that number (never listed) is overwritten
             started = time.time()
             total = sum(lengths[first:end])

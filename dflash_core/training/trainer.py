@@ -484,7 +484,8 @@ class Trainer:
     def run(self, progress: bool = True, time_budget_s: float | None = None) -> dict[str, Any]:
         """Train up to ``settings.steps``; with ``time_budget_s``, the step count is re-planned
         from the measured pace (after 10, 50 and 200 steps of this run) to end within it, and a
-        run past its budget between those re-plans ends at the step it is at."""
+        run found past its budget after any step (slow steps before the first re-plan, or a
+        pace that changed) ends at that step."""
         st = self.settings
         last_eval: dict[str, Any] = {}
         run_started, first_step = time.time(), self.step
@@ -499,13 +500,11 @@ class Trainer:
         while self.step < st.steps:
             metrics = self.train_step()
             self.elapsed = time.time() - started
-            if time_budget_s is not None and self.step - first_step in (10, 50, 200):
-                self._replan(time_budget_s, run_started, first_step)
-                bar.total = st.steps
-            elif time_budget_s is not None and time.time() - run_started > time_budget_s and self.step < st.steps:
-                # Out of time before the pace was measured (slow steps, or a budget the earlier
-                # stages ate): this step is the last, evaluated and checkpointed as a last one is.
-                st.steps = self.step
+            if time_budget_s is not None:
+                if time.time() - run_started >= time_budget_s:
+                    st.steps = self.step  # out of time: this step is the last, evaluated and checkpointed
+                elif self.step - first_step in (10, 50, 200):
+                    self._replan(time_budget_s, run_started, first_step)
                 bar.total = st.steps
             record = {"step": self.step, "elapsed_s": round(self.elapsed, 1), **{k: round(v, 5) for k, v in metrics.items()}}
             if self.step % st.eval_every == 0 or self.step == st.steps:
