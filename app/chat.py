@@ -30,6 +30,7 @@ from . import render
 from .channel import CHANNELS
 from .live import published_runs, subscribe
 from .recording import RunRecord
+from .sessions import SETTLE_WAIT_S
 
 # Where the Chat tab's live updates go (APPLY_LIVE_UPDATE_JS reads them from each update): the
 # answer being written is the conversation's one pane tagged with a run.
@@ -202,7 +203,7 @@ class Chat:
     def clear(self, request: gr.Request) -> dict:
         """Start a new conversation (not while an answer is being written: Stop it first)."""
         v = self.views
-        if (getattr(request, "session_hash", None) or "default") in self.studio._stops:
+        if not self.studio.sessions.settled(request, SETTLE_WAIT_S):
             return {v.status: "An answer is being written: press Stop first, then Clear."}
         return {v.history: [], v.conversation: render.chat_html([]), v.status: "New conversation.",
                 v.counters: render.counters_html(None, "DFlash"), v.ar_counters: render.counters_html(None, "Autoregressive"),
@@ -211,15 +212,9 @@ class Chat:
 
     # ------------------------------------------------------------------------------ one turn
     def _session(self, request: Any, work: Callable[[threading.Event], Iterator[dict]]) -> Iterator[dict]:
-        # The same per-session Stop event as the Live tab: the Stop buttons of both tabs reach it.
-        session = getattr(request, "session_hash", None) or "default"
-        stop = threading.Event()
-        self.studio._stops[session] = stop
-        try:
+        # The same per-session run as the Live tab: the Stop buttons of both tabs reach it.
+        with self.studio.sessions.run(request) as stop:
             yield from work(stop)
-        finally:
-            if self.studio._stops.get(session) is stop:
-                del self.studio._stops[session]
 
     def _engine(self, pair: str | None) -> Iterator[dict | Any]:
         """Status updates while the pair loads, then its engine (``DFlashError`` if it cannot)."""

@@ -34,6 +34,7 @@ from .channel import CHANNELS
 from .live import BackgroundRun, batches, published_runs, subscribe
 from .recording import IncrementalDetokenizer, RunRecord
 from .service import StudioService
+from .sessions import Sessions
 from .teaching import TeachingState, explanation_md, formula_md, step_html
 
 try:  # ZeroGPU on Hugging Face Spaces: functions that may use CUDA are wrapped; a no-op elsewhere.
@@ -149,9 +150,7 @@ class LiveViews:
 class Studio:
     def __init__(self, service: StudioService) -> None:
         self.service = service
-        # The stop event of each session's running generation: added when a run starts and
-        # removed when it ends, so the map holds only runs in progress.
-        self._stops: dict[str, threading.Event] = {}
+        self.sessions = Sessions()  # each session's run in progress and its Stop
         self._run_ids = itertools.count(1)
         self.views: LiveViews | None = None  # set by build_app
         self.chat: Chat | None = None  # the Chat tab's handlers, set by build_studio
@@ -196,15 +195,9 @@ class Studio:
         own thread while the page gets what is new at most ``UPDATES_PER_S`` times a second.
         ``thinking``: the thinking-mode box (None: the pair's setting; Gradio passes the inputs
         other than ``request`` in order, so it comes after ``lookup``)."""
-        session = getattr(request, "session_hash", None) or "default"
-        stop = threading.Event()
-        self._stops[session] = stop
-        try:
+        with self.sessions.run(request) as stop:
             yield from self._compare(stop, pair, prompt, block, temperature, max_new, seed, baseline,
                                      adaptive, tree, lookup, thinking)
-        finally:
-            if self._stops.get(session) is stop:
-                del self._stops[session]
 
     def _compare(self, stop: threading.Event, pair, prompt, block, temperature, max_new, seed, baseline,  # noqa: ANN001
                  adaptive, tree, lookup, thinking=None):
@@ -283,12 +276,13 @@ class Studio:
         icon = "✓" if status.startswith("ready") else ("⚠" if status.startswith("failed") else "⋯")
         return f"{icon} **{name}**: {status}", gr.Timer(active=not done)
 
-    def stop(self, request: gr.Request) -> str:
-        event = self._stops.get(getattr(request, "session_hash", None) or "default")
-        if event is None:
+    def stop(self, request: gr.Request) -> Any:
+        """Both tabs' Stop: the run ends within its cycle and its own last update says "stopped";
+        Stop adds nothing then, so that its answer cannot land after that update and cover it."""
+        ended = self.sessions.stop(request)
+        if ended is None:
             return "Nothing is running."
-        event.set()
-        return "⏹ stopping after the current cycle…"
+        return gr.skip() if ended else "⏹ stopping after the current cycle…"
 
     # ------------------------------------------------------------------------- teaching mode
     def teach_start(self, pair, prompt, block, max_new):  # noqa: ANN001

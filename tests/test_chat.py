@@ -143,7 +143,7 @@ def test_the_baseline_runs_for_an_earlier_answer_on_its_own_prompt_and_leaves_th
     fail_after(engine, 1, monkeypatch)
     failed = list(studio.chat.time_answer(3, history, Request()))
     assert "⚠️" in failed[-1][v.status] and "the conversation is unchanged" in failed[-1][v.status]
-    assert not any(v.history in u for u in failed) and studio._stops == {}
+    assert not any(v.history in u for u in failed) and studio.sessions.idle()
 
 
 def test_clear_starts_a_new_conversation(studio, two_turns):
@@ -226,7 +226,7 @@ def test_an_engine_error_mid_answer_keeps_the_conversation_well_formed(studio, m
     again = history_of(studio, list(say(studio, None, broken, max_new=8)))
     assert len(again) == 4 and again[:3] == broken[:3] and "interrupted" not in again[3]["note"]
     assert again[3]["token_ids"] == greedy_reference(engine, again[3]["prompt_ids"], 8)
-    assert not engine.busy and studio._stops == {}
+    assert not engine.busy and studio.sessions.idle()
 
 
 def test_a_conversation_too_long_for_the_context_drops_its_oldest_exchanges(studio, two_turns, monkeypatch):

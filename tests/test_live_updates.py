@@ -103,7 +103,7 @@ def test_a_closed_page_frees_the_engine_within_a_cycle(studio, monkeypatch):
     assert engine.last_run["finish_reason"] == "abandoned"
     assert engine.last_run["cycles"] <= at_close + 1
     assert engine.last_run["tokens"] < 1500
-    assert studio._stops == {} and channel.closed_at is not None
+    assert studio.sessions.idle() and channel.closed_at is not None
 
 
 def test_a_handler_closed_before_its_run_starts_none_and_closes_its_stream(studio):
@@ -122,7 +122,7 @@ def test_a_handler_closed_before_its_run_starts_none_and_closes_its_stream(studi
     updates.close()
     assert engine.runs == runs_before and not engine.busy
     assert channel.closed_at is not None and channel.messages == []
-    assert studio._stops == {}
+    assert studio.sessions.idle()
 
 
 def test_teaching_mode_shows_mask_slots_as_mask(studio):
