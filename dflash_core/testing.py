@@ -377,9 +377,9 @@ def stop_at_first_live_update(studio, updates, live_update, request, while_runni
     ``while_running`` is called just before Stop (what a test checks is refused mid-run)."""
     engine = studio.service.engine(None)
     channel, finish = run_until_live(updates, live_update)
-    at_stop = engine.last_run["cycles"]  # the engine is ahead of the page
     if while_running is not None:
         while_running()
+    at_stop = engine.last_run["cycles"]  # the engine is ahead of the page
     import gradio as gr
 
     # Stop waits for the run to end and then changes nothing on the page: the run's own last
