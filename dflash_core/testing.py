@@ -372,16 +372,17 @@ def run_until_live(updates, live_update, timeout: float = 120.0):  # noqa: ANN00
 
 
 def stop_at_first_live_update(studio, updates, live_update, request, while_running=None):  # noqa: ANN001, ANN201
-    """Run a handler's ``updates`` until its first live update, press Stop (checking it says so),
-    and check the engine ended within a cycle; returns every update the handler yielded.
+    """Run a handler's ``updates`` until its first live update, press Stop (checking it answers only
+    once the run has ended) and check the engine ended within a cycle; returns every update the
+    handler yielded.
     ``while_running`` is called just before Stop (what a test checks is refused mid-run)."""
+    import gradio as gr
+
     engine = studio.service.engine(None)
     channel, finish = run_until_live(updates, live_update)
     if while_running is not None:
         while_running()
     at_stop = engine.last_run["cycles"]  # the engine is ahead of the page
-    import gradio as gr
-
     # Stop waits for the run to end and then changes nothing on the page: the run's own last
     # update, already handed over, says "stopped" (an answer of Stop's own could land after it).
     assert studio.stop(request) == gr.skip()
