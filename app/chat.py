@@ -30,7 +30,6 @@ from . import render
 from .channel import CHANNELS
 from .live import published_runs, subscribe
 from .recording import RunRecord
-from .sessions import SETTLE_WAIT_S
 
 # Where the Chat tab's live updates go (APPLY_LIVE_UPDATE_JS reads them from each update): the
 # answer being written is the conversation's one pane tagged with a run.
@@ -203,7 +202,7 @@ class Chat:
     def clear(self, request: gr.Request) -> dict:
         """Start a new conversation (not while an answer is being written: Stop it first)."""
         v = self.views
-        if not self.studio.sessions.settled(request, SETTLE_WAIT_S):
+        if not self.studio.sessions.settled(request):
             return {v.status: "An answer is being written: press Stop first, then Clear."}
         return {v.history: [], v.conversation: render.chat_html([]), v.status: "New conversation.",
                 v.counters: render.counters_html(None, "DFlash"), v.ar_counters: render.counters_html(None, "Autoregressive"),

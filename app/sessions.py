@@ -65,7 +65,7 @@ class Sessions:
         run.stop.set()
         return run.ended.wait(wait_s)
 
-    def settled(self, request: Any, wait_s: float) -> bool:
+    def settled(self, request: Any, wait_s: float = SETTLE_WAIT_S) -> bool:
         """Whether the session has no run, waiting up to ``wait_s`` for one to end. A run's last
         update ("done", "stopped") reaches the page a moment before the run lets its session go:
         what the page offers once it shows that update (Clear) must not find the run still there."""

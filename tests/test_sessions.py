@@ -82,7 +82,7 @@ def test_clear_right_after_the_last_update_finds_the_session_settled():
     # Gradio hands a run's last update to the page, then resumes the handler, which lets the
     # session go: a page quick to act on "done" may ask in between.
     sessions = Sessions()
-    handed_over = threading.Event()
+    handed_over, sent = threading.Event(), threading.Event()
 
     def run():  # noqa: ANN202
         with sessions.run(PAGE):
@@ -92,12 +92,13 @@ def test_clear_right_after_the_last_update_finds_the_session_settled():
         updates = run()
         next(updates)
         handed_over.set()
-        time.sleep(0.3)  # sending the update
+        sent.wait(10)  # sending the update
         next(updates, None)
 
     thread = threading.Thread(target=gradio, daemon=True)
     thread.start()
     assert handed_over.wait(10)
-    assert not sessions.settled(PAGE, 0)
-    assert sessions.settled(PAGE, 5) and sessions.idle()
+    assert not sessions.settled(PAGE, 0)  # the page already shows "done"; the run still holds the session
+    threading.Timer(0.2, sent.set).start()
+    assert sessions.settled(PAGE) and sessions.idle()  # Clear's wait covers the rest
     thread.join(10)
